@@ -1,0 +1,1 @@
+"""Benchmarks, each runnable as `python -m bench.NAME --json`."""

@@ -1,0 +1,1 @@
+"""Jobs, nodes, reservations, allocations, commands and the elastic-adjustment audit log."""

@@ -1,0 +1,1 @@
+"""Omni's Django project: settings, ASGI routing, the Celery app and root URLs."""

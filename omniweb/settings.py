@@ -1,0 +1,194 @@
+"""Settings for the Omni control plane.
+
+Two modes, one code path. With no environment at all this is the *embedded* mode: SQLite under
+``var/``, an in-memory channel layer and an in-process planner loop. Setting ``DATABASE_URL``
+(PostgreSQL) and ``REDIS_URL`` switches to *production* mode: PostgreSQL, Celery with Redis as
+broker, and the ``channels_redis`` layer shared by several ASGI processes. Every variable is
+read through the strict helpers in ``omniweb.env``; a bad value stops start-up naming it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omniweb.env import (
+    EnvError,
+    check_redis_url,
+    database_from_url,
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("OMNI_VAR_DIR", str(BASE_DIR / "var")))
+
+try:
+    DEBUG = env_bool("DEBUG", default=False)
+    _secret = env_str("SECRET_KEY")
+    if _secret is None and not DEBUG and env_str("DATABASE_URL") is not None:
+        raise EnvError("SECRET_KEY: must be set when DEBUG is off in production mode")
+    # The embedded mode needs no environment: it gets a fixed, obviously-insecure key that
+    # the deploy checks (manage.py check --deploy) flag.
+    SECRET_KEY = _secret or "django-insecure-omni-embedded-mode-only"
+    ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+    CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+    _database_url = env_str("DATABASE_URL")
+    if _database_url:
+        DATABASES = {"default": database_from_url("DATABASE_URL", _database_url)}
+    else:
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        DATABASES = {
+            "default": {
+                "ENGINE": "django.db.backends.sqlite3",
+                "NAME": str(VAR_DIR / "omni.sqlite3"),
+                "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            }
+        }
+
+    REDIS_URL = env_str("REDIS_URL")
+    if REDIS_URL:
+        check_redis_url("REDIS_URL", REDIS_URL)
+
+    # Planner and control-loop knobs (defaults per shared/scenarios/FORMAT.md).
+    OMNI_PLANNER_INTERVAL_S = env_float("OMNI_PLANNER_INTERVAL_S", 5.0, minimum=0.1)
+    OMNI_HEARTBEAT_INTERVAL_S = env_float("OMNI_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.1)
+    OMNI_HEARTBEAT_MISSES = env_int("OMNI_HEARTBEAT_MISSES", 3, minimum=1)
+    OMNI_COMMAND_ACK_TIMEOUT_S = env_float("OMNI_COMMAND_ACK_TIMEOUT_S", 15.0, minimum=0.1)
+    OMNI_COMMAND_MAX_ATTEMPTS = env_int("OMNI_COMMAND_MAX_ATTEMPTS", 3, minimum=1)
+    # Run the periodic tasks in-process (embedded mode) instead of Celery beat.
+    OMNI_INPROCESS_LOOP = env_bool("OMNI_INPROCESS_LOOP", default=REDIS_URL is None)
+    LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
+    if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise EnvError(f"LOG_LEVEL: expected DEBUG/INFO/WARNING/ERROR/CRITICAL, got {LOG_LEVEL!r}")
+except EnvError as exc:
+    sys.stderr.write(f"omni: bad environment: {exc}\n")
+    raise SystemExit(2) from None
+
+EMBEDDED = _database_url is None
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "jobs",
+    "telemetry",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "omniweb.urls"
+WSGI_APPLICATION = None
+ASGI_APPLICATION = "omniweb.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery: Redis as broker in production; in embedded mode tasks run eagerly in-process, and the
+# periodic ones are driven by jobs.loop (the same task functions Celery would call).
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TIMEZONE = "UTC"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_SAMESITE = "Lax"
+SESSION_COOKIE_SECURE = not DEBUG and not EMBEDDED
+CSRF_COOKIE_SECURE = not DEBUG and not EMBEDDED
+X_FRAME_OPTIONS = "DENY"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "jobs.api.errors.exception_handler",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Omni control plane API",
+    "DESCRIPTION": "Jobs, nodes, reservations and the elastic-adjustment audit log.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,1 @@
+"""Telemetry: GPU samples and step records, their ingestion, rollups and queries."""

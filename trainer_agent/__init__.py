@@ -1,0 +1,1 @@
+"""Runs on GPU nodes: the trainer runtime and the node agent. Never imports Django."""
