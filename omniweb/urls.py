@@ -1,8 +1,15 @@
-"""Root URLs of the control plane."""
+"""Root URLs: pages, the REST API and its OpenAPI schema, login/logout and the admin."""
 
 from django.contrib import admin
-from django.urls import path
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
 
 urlpatterns = [
+    path("", include("jobs.urls")),
+    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/", include("jobs.api.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("admin/", admin.site.urls),
 ]

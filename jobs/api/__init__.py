@@ -1,0 +1,1 @@
+"""The REST API of the jobs app under /api/ (jobs, nodes, reservations, events)."""

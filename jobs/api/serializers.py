@@ -1,0 +1,116 @@
+"""Serializers for the jobs API: reads are complete, writes validate every field."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from jobs.models import Allocation, ElasticEvent, Job, Node, Priority, Reservation
+
+
+class AllocationSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node.name")
+    borrowed_from = serializers.CharField(source="borrowed_from.name", default=None)
+
+    class Meta:
+        model = Allocation
+        fields = ["node", "gpu_index", "borrowed_from", "loan_until", "since"]
+
+
+class JobSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    gpus = serializers.SerializerMethodField()
+    allocations = AllocationSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id", "name", "owner", "priority", "state", "tp", "pp", "dp", "dp_min", "dp_max",
+            "global_batch", "micro_batch", "accum_steps", "total_steps", "committed_steps", "step_s",
+            "comm_fraction", "min_run_s", "checkpoint_every_steps", "checkpoint_save_s", "checkpoint_load_s",
+            "last_checkpoint_step", "last_checkpoint_at", "measured_save_s", "measured_load_s",
+            "preemptions", "pending_reason", "submitted_at", "started_at", "finished_at", "gpus", "allocations",
+        ]
+        read_only_fields = fields
+
+    def get_gpus(self, job: Job) -> int:
+        return len(job.allocations.all())
+
+
+class JobSubmitSerializer(serializers.Serializer):
+    """What a researcher sends to submit a job; cross-field rules are checked by submit_job."""
+
+    name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128)
+    priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.REGULAR)
+    tp = serializers.IntegerField(min_value=1, max_value=64, default=1)
+    pp = serializers.IntegerField(min_value=1, max_value=128, default=1)
+    dp = serializers.IntegerField(min_value=1, max_value=4096)
+    dp_min = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    dp_max = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    global_batch = serializers.IntegerField(min_value=1)
+    micro_batch = serializers.IntegerField(min_value=1)
+    total_steps = serializers.IntegerField(min_value=1)
+    step_s = serializers.FloatField(min_value=0.001, max_value=86400)
+    comm_fraction = serializers.FloatField(min_value=0.0, max_value=1.0, default=0.1)
+    min_run_s = serializers.IntegerField(min_value=0, required=False)
+    checkpoint_every_steps = serializers.IntegerField(min_value=1, default=500)
+    checkpoint_save_s = serializers.FloatField(min_value=0.0, default=30.0)
+    checkpoint_load_s = serializers.FloatField(min_value=0.0, default=60.0)
+
+    def validate(self, attrs):
+        errors = {}
+        dp = attrs["dp"]
+        dp_min = attrs.get("dp_min", dp)
+        dp_max = attrs.get("dp_max", dp)
+        if dp_min > dp_max:
+            errors["dp_min"] = f"dp_min {dp_min} is larger than dp_max {dp_max}"
+        elif not dp_min <= dp <= dp_max:
+            errors["dp"] = f"dp {dp} is outside [dp_min {dp_min}, dp_max {dp_max}]"
+        if attrs["global_batch"] % (attrs["micro_batch"] * dp):
+            errors["global_batch"] = (
+                f"global batch {attrs['global_batch']} does not split into {dp} replicas "
+                f"of micro-batch {attrs['micro_batch']}"
+            )
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    gpus_allocated = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = [
+            "id", "name", "rack", "switch", "gpu_count", "gpu_model", "state", "state_changed_at",
+            "last_heartbeat_at", "speed_factor", "gpus_allocated",
+        ]
+        read_only_fields = fields
+
+    def get_gpus_allocated(self, node: Node) -> int:
+        return len(node.allocations.all())
+
+
+class ReservationSerializer(serializers.ModelSerializer):
+    job = serializers.SlugRelatedField(slug_field="name", queryset=Job.objects.all())
+
+    class Meta:
+        model = Reservation
+        fields = [
+            "id", "name", "job", "gpus", "spares", "start_at", "end_at", "period_s", "active_s",
+            "created_at", "cancelled_at",
+        ]
+        read_only_fields = ["id", "created_at", "cancelled_at"]
+        # Uniqueness is checked by the action, with a clearer message.
+        extra_kwargs = {"name": {"validators": []}, "gpus": {"min_value": 1}, "period_s": {"min_value": 1},
+                        "active_s": {"min_value": 1}}
+
+
+class ElasticEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ElasticEvent
+        fields = [
+            "id", "at", "kind", "job", "job_name", "nodes_before", "nodes_after", "gpus_before", "gpus_after",
+            "dp_before", "dp_after", "accum_before", "accum_after", "global_batch", "actor", "planner_run",
+            "command", "refers_to", "reason", "outcome", "prev_hash", "hash",
+        ]
+        read_only_fields = fields

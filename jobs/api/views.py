@@ -1,0 +1,197 @@
+"""API views: thin shells over jobs.actions, with role checks, filters and pagination."""
+
+from __future__ import annotations
+
+from django.db.models import Prefetch, QuerySet
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from jobs import actions, roles
+from jobs.api.permissions import AuditReader, HasRole, OperatorWrites
+from jobs.api.serializers import (
+    ElasticEventSerializer,
+    JobSerializer,
+    JobSubmitSerializer,
+    NodeSerializer,
+    ReservationSerializer,
+)
+from jobs.models import Allocation, ElasticEvent, Job, JobState, Node, Priority, Reservation
+
+
+def _choice_filter(request: Request, name: str, choices) -> str | None:
+    value = request.query_params.get(name)
+    if value is None or value == "":
+        return None
+    valid = [c for c, _ in choices]
+    if value not in valid:
+        raise ValidationError({name: f"{value!r} is not one of {', '.join(valid)}"})
+    return value
+
+
+def _time_filter(request: Request, name: str):
+    value = request.query_params.get(name)
+    if not value:
+        return None
+    parsed = parse_datetime(value)
+    if parsed is None or parsed.tzinfo is None:
+        raise ValidationError({name: f"{value!r} is not an ISO 8601 time with a timezone"})
+    return parsed
+
+
+class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Jobs: everyone with a role reads; researchers submit and cancel their own."""
+
+    serializer_class = JobSerializer
+    permission_classes = [HasRole]
+
+    def get_queryset(self) -> QuerySet[Job]:
+        allocations = Allocation.objects.select_related("node", "borrowed_from").order_by("node__name", "gpu_index")
+        queryset = Job.objects.select_related("owner").prefetch_related(Prefetch("allocations", allocations))
+        if self.action != "list":
+            return queryset
+        params = self.request.query_params
+        if state := _choice_filter(self.request, "state", JobState.choices):
+            queryset = queryset.filter(state=state)
+        if priority := _choice_filter(self.request, "priority", Priority.choices):
+            queryset = queryset.filter(priority=priority)
+        if owner := params.get("owner"):
+            queryset = queryset.filter(owner__username=owner)
+        if params.get("mine") in ("1", "true"):
+            queryset = queryset.filter(owner=self.request.user)
+        if q := params.get("q"):
+            queryset = queryset.filter(name__icontains=q)
+        return queryset
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("state", str, enum=[c for c, _ in JobState.choices]),
+            OpenApiParameter("priority", str, enum=[c for c, _ in Priority.choices]),
+            OpenApiParameter("owner", str),
+            OpenApiParameter("mine", bool),
+            OpenApiParameter("q", str, description="Part of the job name."),
+        ]
+    )
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(request=JobSubmitSerializer, responses={201: JobSerializer})
+    def create(self, request: Request) -> Response:
+        if not (roles.is_researcher(request.user) or roles.is_operator(request.user)):
+            return Response({"detail": "only researchers and operators submit jobs"}, status=status.HTTP_403_FORBIDDEN)
+        submit = JobSubmitSerializer(data=request.data)
+        submit.is_valid(raise_exception=True)
+        job = actions.submit_job(request.user, **submit.validated_data)
+        return Response(JobSerializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk=None) -> Response:
+        job = actions.cancel_job(self.get_object(), request.user)
+        return Response(JobSerializer(self.get_queryset().get(pk=job.pk)).data)
+
+
+class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Nodes: everyone with a role reads; operators cordon, drain, uncordon and repair."""
+
+    serializer_class = NodeSerializer
+    permission_classes = [OperatorWrites]
+    queryset = Node.objects.prefetch_related("allocations")
+
+    def _act(self, request: Request, node_action) -> Response:
+        node = node_action(self.get_object(), request.user)
+        return Response(NodeSerializer(Node.objects.prefetch_related("allocations").get(pk=node.pk)).data)
+
+    @extend_schema(request=None)
+    @action(detail=True, methods=["post"])
+    def cordon(self, request: Request, pk=None) -> Response:
+        return self._act(request, actions.cordon_node)
+
+    @extend_schema(request=None)
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request: Request, pk=None) -> Response:
+        return self._act(request, actions.uncordon_node)
+
+    @extend_schema(request=None)
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk=None) -> Response:
+        return self._act(request, actions.drain_node)
+
+    @extend_schema(request=None)
+    @action(detail=True, methods=["post"])
+    def repair(self, request: Request, pk=None) -> Response:
+        return self._act(request, actions.mark_node_repaired)
+
+
+class ReservationViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.UpdateModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Reservations: everyone with a role reads; operators create, edit and cancel."""
+
+    serializer_class = ReservationSerializer
+    permission_classes = [OperatorWrites]
+    queryset = Reservation.objects.select_related("job")
+
+    def perform_create(self, serializer) -> None:
+        serializer.instance = actions.create_reservation(self.request.user, **serializer.validated_data)
+
+    def perform_update(self, serializer) -> None:
+        changes = {k: v for k, v in serializer.validated_data.items() if k in actions.RESERVATION_EDITABLE}
+        rejected = set(serializer.validated_data) - set(actions.RESERVATION_EDITABLE)
+        if rejected:
+            raise ValidationError({field: "this field cannot be changed" for field in sorted(rejected)})
+        serializer.instance = actions.update_reservation(serializer.instance, self.request.user, **changes)
+
+    @extend_schema(request=None)
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk=None) -> Response:
+        reservation = actions.cancel_reservation(self.get_object(), request.user)
+        return Response(ReservationSerializer(reservation).data)
+
+
+class ElasticEventViewSet(viewsets.ReadOnlyModelViewSet):
+    """The audit log: operators and auditors read everything, researchers their own jobs' rows."""
+
+    serializer_class = ElasticEventSerializer
+    permission_classes = [AuditReader]
+
+    def get_queryset(self) -> QuerySet[ElasticEvent]:
+        queryset = ElasticEvent.objects.order_by("-id")
+        user = self.request.user
+        if not roles.can_read_audit(user):
+            queryset = queryset.filter(job__owner=user)
+        params = self.request.query_params
+        if job := params.get("job"):
+            queryset = queryset.filter(job_name=job)
+        if kinds := params.get("kind"):
+            queryset = queryset.filter(kind__in=kinds.split(","))
+        if actor := params.get("actor"):
+            queryset = queryset.filter(actor=actor)
+        if run := params.get("planner_run"):
+            queryset = queryset.filter(planner_run=run)
+        if since := _time_filter(self.request, "since"):
+            queryset = queryset.filter(at__gte=since)
+        if until := _time_filter(self.request, "until"):
+            queryset = queryset.filter(at__lt=until)
+        return queryset
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("job", str, description="Job name."),
+            OpenApiParameter("kind", str, description="Comma-separated event kinds."),
+            OpenApiParameter("actor", str),
+            OpenApiParameter("planner_run", str),
+            OpenApiParameter("since", str, description="ISO 8601 time with timezone (inclusive)."),
+            OpenApiParameter("until", str, description="ISO 8601 time with timezone (exclusive)."),
+        ]
+    )
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)

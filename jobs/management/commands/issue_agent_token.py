@@ -1,0 +1,25 @@
+"""``manage.py issue_agent_token NODE``: make a node's agent token and print it, once."""
+
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+
+from jobs.models import Node
+
+
+class Command(BaseCommand):
+    help = "Issue a new agent token for NODE (replacing any old one) and print it once; only its hash is stored."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("node", help="node name")
+
+    @transaction.atomic
+    def handle(self, *args, node: str, **options) -> None:
+        try:
+            target = Node.objects.select_for_update().get(name=node)
+        except Node.DoesNotExist:
+            raise CommandError(f"no node named {node!r}", returncode=2) from None
+        token = target.issue_token()
+        target.save(update_fields=["agent_token_hash"])
+        self.stdout.write(token)

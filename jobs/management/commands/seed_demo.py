@@ -1,0 +1,106 @@
+"""``manage.py seed_demo``: a believable cluster with users for each role, jobs of every class
+and reservations, built through the real actions so the audit log tells the story."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+from django.core.management.base import BaseCommand
+from django.db import transaction
+from django.utils import timezone
+
+from jobs import actions
+from jobs.models import Node, Priority
+from jobs.roles import AUDITOR, OPERATOR, RESEARCHER
+
+DEMO_PASSWORD = "omni-demo-pass"
+DEMO_USERS = [
+    ("alice", RESEARCHER, "Alice (researcher)"),
+    ("bob", RESEARCHER, "Bob (researcher)"),
+    ("olga", OPERATOR, "Olga (operator)"),
+    ("audrey", AUDITOR, "Audrey (auditor)"),
+]
+
+# (name, owner, class, tp, pp, dp, dp_min, dp_max, global batch, micro batch, steps, step_s, place)
+DEMO_JOBS = [
+    ("omni-7b", "olga", Priority.CRITICAL, 8, 1, 4, 4, 4, 1024, 8, 200_000, 5.0, True),
+    ("vlm-pretrain", "olga", Priority.CRITICAL, 8, 2, 2, 2, 2, 512, 4, 40_000, 6.0, False),
+    ("sft-chat", "alice", Priority.REGULAR, 4, 1, 4, 2, 8, 128, 2, 5_000, 3.0, True),
+    ("video-caption", "alice", Priority.REGULAR, 8, 1, 2, 1, 4, 256, 8, 12_000, 4.0, True),
+    ("rlhf-reward", "bob", Priority.REGULAR, 2, 1, 4, 2, 8, 64, 2, 8_000, 1.5, False),
+    ("ablation-lr", "bob", Priority.BEST_EFFORT, 8, 1, 2, 1, 4, 256, 4, 3_000, 4.0, True),
+    ("ablation-vit", "alice", Priority.BEST_EFFORT, 4, 1, 2, 1, 4, 64, 4, 2_000, 2.0, False),
+    ("debug-tokenizer", "bob", Priority.BEST_EFFORT, 1, 1, 1, 1, 2, 16, 8, 500, 0.8, False),
+]
+
+
+class Command(BaseCommand):
+    help = "Seed a demo cluster (4 racks x 2 switches x 4 nodes x 8 GPUs), users, jobs and reservations."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--racks", type=int, default=4)
+        parser.add_argument("--switches-per-rack", type=int, default=2)
+        parser.add_argument("--nodes-per-switch", type=int, default=4)
+        parser.add_argument("--gpus-per-node", type=int, default=8)
+
+    @transaction.atomic
+    def handle(self, *args, racks: int, switches_per_rack: int, nodes_per_switch: int,
+               gpus_per_node: int, **options) -> None:
+        if Node.objects.exists():
+            self.stdout.write("seed_demo: the database already has a cluster; leaving it as it is.")
+            self._print_logins()
+            return
+        users = self._users()
+        nodes = [
+            Node(name=f"r{r}s{s}n{n}", rack=f"r{r}", switch=f"r{r}s{s}", gpu_count=gpus_per_node, gpu_model="H100-80GB")
+            for r in range(racks) for s in range(switches_per_rack) for n in range(nodes_per_switch)
+        ]
+        Node.objects.bulk_create(nodes)
+        nodes = list(Node.objects.order_by("name"))
+        free = [(node, i) for node in nodes for i in range(node.gpu_count)]
+        jobs = {}
+        for name, owner, priority, tp, pp, dp, dp_min, dp_max, gb, mb, steps, step_s, place in DEMO_JOBS:
+            job = actions.submit_job(
+                users[owner], name=name, priority=priority, tp=tp, pp=pp, dp=dp, dp_min=dp_min, dp_max=dp_max,
+                global_batch=gb, micro_batch=mb, total_steps=steps, step_s=step_s,
+            )
+            jobs[name] = job
+            if place and len(free) >= job.gpus_wanted:
+                gpus, free = free[: job.gpus_wanted], free[job.gpus_wanted:]
+                actions.place_job(
+                    job, gpus, actor="seed_demo",
+                    reason={"rule": "seed", "text": f"Seeded as running on {job.gpus_wanted} GPUs.", "inputs": {}},
+                )
+        now = timezone.now().replace(second=0, microsecond=0)
+        actions.create_reservation(
+            users["olga"], name="omni-7b-hourly", job=jobs["omni-7b"], gpus=32, spares=8,
+            start_at=now - timedelta(minutes=10), period_s=3600, active_s=2400,
+        )
+        actions.create_reservation(
+            users["olga"], name="vlm-window", job=jobs["vlm-pretrain"], gpus=32,
+            start_at=now + timedelta(hours=2), end_at=now + timedelta(hours=14),
+        )
+        self.stdout.write(
+            f"seed_demo: {len(nodes)} nodes ({len(nodes) * gpus_per_node} GPUs), {len(jobs)} jobs, 2 reservations."
+        )
+        self._print_logins()
+
+    def _users(self) -> dict:
+        User = get_user_model()
+        users = {}
+        for username, role, full_name in DEMO_USERS:
+            user, created = User.objects.get_or_create(
+                username=username, defaults={"first_name": full_name, "is_staff": role == OPERATOR}
+            )
+            if created:
+                user.set_password(DEMO_PASSWORD)
+                user.save(update_fields=["password"])
+            user.groups.add(Group.objects.get(name=role))
+            users[username] = user
+        return users
+
+    def _print_logins(self) -> None:
+        logins = ", ".join(f"{name} ({role})" for name, role, _ in DEMO_USERS)
+        self.stdout.write(f"Demo logins: {logins}; password for all: {DEMO_PASSWORD}")

@@ -1,0 +1,205 @@
+"""Training jobs: their parallel layout, elastic bounds, batch configuration, progress and state."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import models
+from django.db.models import F, Q
+from django.utils import timezone
+
+from jobs.models.states import BatchInvariantError, check_transition
+
+
+class Priority(models.TextChoices):
+    CRITICAL = "critical", "Critical"
+    REGULAR = "regular", "Regular"
+    BEST_EFFORT = "best_effort", "Best effort"
+
+
+class JobState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    RUNNING = "running", "Running"
+    CHECKPOINTING = "checkpointing", "Checkpointing"
+    PREEMPTED = "preempted", "Preempted"
+    RESIZING = "resizing", "Resizing"
+    RECOVERING = "recovering", "Recovering"
+    COMPLETED = "completed", "Completed"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE_JOB_STATES = frozenset(
+    {JobState.RUNNING, JobState.CHECKPOINTING, JobState.RESIZING, JobState.RECOVERING}
+)
+
+# The job lifecycle. Checkpointing is the graceful half of a preemption (save, then release);
+# resizing is a save-and-restart at a new DP; recovering follows a fault and restarts from the
+# last completed checkpoint.
+JOB_TRANSITIONS: dict[str, frozenset[str]] = {
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.CHECKPOINTING,
+            JobState.RESIZING,
+            JobState.RECOVERING,
+            JobState.COMPLETED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
+    ),
+    JobState.CHECKPOINTING: frozenset(
+        {JobState.PREEMPTED, JobState.RUNNING, JobState.RECOVERING, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.PREEMPTED: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RESIZING: frozenset({JobState.RUNNING, JobState.RECOVERING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RECOVERING: frozenset(
+        {JobState.RUNNING, JobState.PREEMPTED, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class Job(models.Model):
+    """A training job: who owns it, how it is partitioned (TP x PP x DP), its batch and progress.
+
+    One data-parallel replica is ``tp * pp`` GPUs; elasticity adds or removes whole replicas and
+    keeps ``global_batch == micro_batch * dp * accum_steps`` by changing the accumulation.
+    """
+
+    name = models.CharField(max_length=128, unique=True)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.REGULAR)
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING)
+
+    tp = models.PositiveSmallIntegerField(default=1, help_text="Tensor-parallel degree (within one node).")
+    pp = models.PositiveSmallIntegerField(default=1, help_text="Pipeline-parallel degree.")
+    dp = models.PositiveIntegerField(help_text="Data-parallel replicas in the current configuration.")
+    dp_min = models.PositiveIntegerField()
+    dp_max = models.PositiveIntegerField()
+    global_batch = models.PositiveIntegerField()
+    micro_batch = models.PositiveIntegerField()
+    accum_steps = models.PositiveIntegerField()
+
+    total_steps = models.PositiveIntegerField()
+    committed_steps = models.PositiveIntegerField(default=0)
+    step_s = models.FloatField(help_text="Expected seconds per step at the preferred DP (spec).")
+    comm_fraction = models.FloatField(default=0.1, help_text="Share of a step that does not shrink with DP.")
+    min_run_s = models.PositiveIntegerField(
+        default=0, help_text="Guaranteed continuous run before a preemption other than for a reservation or fault."
+    )
+
+    checkpoint_every_steps = models.PositiveIntegerField(default=500)
+    checkpoint_save_s = models.FloatField(default=30.0, help_text="Expected save seconds (spec).")
+    checkpoint_load_s = models.FloatField(default=60.0, help_text="Expected load seconds (spec).")
+    last_checkpoint_step = models.PositiveIntegerField(default=0)
+    last_checkpoint_at = models.DateTimeField(null=True, blank=True)
+    measured_save_s = models.FloatField(null=True, blank=True, help_text="Last measured save seconds.")
+    measured_load_s = models.FloatField(null=True, blank=True, help_text="Last measured load seconds.")
+
+    preemptions = models.PositiveIntegerField(default=0)
+    pending_reason = models.TextField(blank=True, default="", help_text="The planner's last word on why it waits.")
+
+    submitted_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True, help_text="Start of the current continuous run.")
+    first_started_at = models.DateTimeField(null=True, blank=True)
+    last_resized_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-submitted_at", "name"]
+        indexes = [models.Index(fields=["state", "priority"], name="job_state_priority")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(global_batch=F("micro_batch") * F("dp") * F("accum_steps")),
+                name="job_batch_invariant",
+            ),
+            models.CheckConstraint(
+                condition=Q(dp_min__lte=F("dp")) & Q(dp__lte=F("dp_max")), name="job_dp_within_bounds"
+            ),
+            models.CheckConstraint(condition=Q(dp_min__gte=1), name="job_dp_min_positive"),
+            models.CheckConstraint(condition=Q(committed_steps__lte=F("total_steps")), name="job_steps_bounded"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(self, *args, **kwargs) -> None:
+        # The batch invariant is checked on every save, whatever the caller updates.
+        self.check_batch_invariant()
+        super().save(*args, **kwargs)
+
+    # -- derived facts -------------------------------------------------------------------------
+
+    @property
+    def replica_gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def gpus_wanted(self) -> int:
+        return self.replica_gpus * self.dp
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_JOB_STATES
+
+    @property
+    def progress(self) -> float:
+        return self.committed_steps / self.total_steps if self.total_steps else 1.0
+
+    def valid_dps(self) -> list[int]:
+        """Every DP within bounds at which the global batch splits exactly into micro-batches."""
+        return [
+            d for d in range(self.dp_min, self.dp_max + 1) if self.global_batch % (self.micro_batch * d) == 0
+        ]
+
+    # -- the batch invariant and the state machine --------------------------------------------
+
+    def check_batch_invariant(self) -> None:
+        if self.micro_batch * self.dp * self.accum_steps != self.global_batch:
+            raise BatchInvariantError(
+                f"job {self.name!r}: micro_batch {self.micro_batch} x dp {self.dp} x accum_steps "
+                f"{self.accum_steps} = {self.micro_batch * self.dp * self.accum_steps}, "
+                f"not the global batch {self.global_batch}"
+            )
+
+    def set_dp(self, dp: int) -> None:
+        """Change DP and recompute the accumulation; the global batch never changes."""
+        if not self.dp_min <= dp <= self.dp_max:
+            raise BatchInvariantError(f"job {self.name!r}: dp {dp} outside [{self.dp_min}, {self.dp_max}]")
+        if self.global_batch % (self.micro_batch * dp):
+            raise BatchInvariantError(
+                f"job {self.name!r}: global batch {self.global_batch} does not split into "
+                f"{dp} replicas of micro-batch {self.micro_batch}"
+            )
+        self.dp = dp
+        self.accum_steps = self.global_batch // (self.micro_batch * dp)
+
+    def transition_to(self, target: str) -> None:
+        """Move to ``target`` or raise IllegalTransition; the caller saves with update_fields."""
+        check_transition(JOB_TRANSITIONS, "Job", self.name, self.state, target)
+        now = timezone.now()
+        if target == JobState.RUNNING and self.state != JobState.RUNNING:
+            self.started_at = now
+            self.first_started_at = self.first_started_at or now
+        if target in TERMINAL_JOB_STATES:
+            self.finished_at = now
+        self.state = target
+        self.state_changed_at = now
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        if self.dp_min and self.dp_max and self.dp_min > self.dp_max:
+            errors["dp_min"] = f"dp_min {self.dp_min} is larger than dp_max {self.dp_max}"
+        if self.dp is not None and self.dp_min and self.dp_max and not self.dp_min <= self.dp <= self.dp_max:
+            errors["dp"] = f"dp {self.dp} is outside [dp_min {self.dp_min}, dp_max {self.dp_max}]"
+        try:
+            self.check_batch_invariant()
+        except BatchInvariantError as exc:
+            errors["accum_steps"] = str(exc)
+        if errors:
+            raise ValidationError(errors)

@@ -1,0 +1,88 @@
+"""Reservations: time slices of guaranteed GPUs for critical jobs, lendable while unused."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import models
+from django.db.models import F, Q
+
+
+class Reservation(models.Model):
+    """``gpus`` (+ ``spares``) guaranteed to a critical job from ``start_at`` to ``end_at``.
+
+    With ``period_s``/``active_s`` it recurs: active for the first ``active_s`` seconds of every
+    ``period_s`` from ``start_at`` (the seed's "40 of every 60 minutes").
+    """
+
+    name = models.CharField(max_length=128, unique=True)
+    job = models.ForeignKey("jobs.Job", on_delete=models.PROTECT, related_name="reservations")
+    gpus = models.PositiveIntegerField()
+    spares = models.PositiveIntegerField(default=0, help_text="Hot spares for fault recovery; lendable.")
+    start_at = models.DateTimeField()
+    end_at = models.DateTimeField(null=True, blank=True)
+    period_s = models.PositiveIntegerField(null=True, blank=True)
+    active_s = models.PositiveIntegerField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["start_at", "name"]
+        constraints = [
+            models.CheckConstraint(condition=Q(gpus__gte=1), name="reservation_has_gpus"),
+            models.CheckConstraint(
+                condition=Q(end_at__isnull=True) | Q(end_at__gt=F("start_at")), name="reservation_ends_after_start"
+            ),
+            models.CheckConstraint(
+                condition=(Q(period_s__isnull=True) & Q(active_s__isnull=True))
+                | (Q(period_s__isnull=False) & Q(active_s__isnull=False) & Q(active_s__lte=F("period_s"))),
+                name="reservation_recurrence_complete",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_recurring(self) -> bool:
+        return self.period_s is not None
+
+    def is_active_at(self, t: datetime) -> bool:
+        """Whether the guarantee holds at ``t`` (inside the span and, if recurring, a window)."""
+        if self.cancelled_at is not None and t >= self.cancelled_at:
+            return False
+        if t < self.start_at or (self.end_at is not None and t >= self.end_at):
+            return False
+        if not self.is_recurring:
+            return True
+        offset_s = (t - self.start_at).total_seconds() % self.period_s
+        return offset_s < self.active_s
+
+    def next_window_start(self, t: datetime) -> datetime | None:
+        """The start of the next window at or after ``t`` (``t`` itself when one begins then);
+        ``None`` when no window starts after ``t``. An active window that began before ``t``
+        is not "next": use :meth:`is_active_at` for that."""
+        if self.cancelled_at is not None and t >= self.cancelled_at:
+            return None
+        if t <= self.start_at:
+            candidate = self.start_at
+        elif not self.is_recurring:
+            return None
+        else:
+            elapsed_s = (t - self.start_at).total_seconds()
+            periods = -(-elapsed_s // self.period_s)  # ceiling
+            candidate = self.start_at + timedelta(seconds=periods * self.period_s)
+        if self.end_at is not None and candidate >= self.end_at:
+            return None
+        return candidate
+
+    def window_end(self, window_start: datetime) -> datetime:
+        """When the window beginning at ``window_start`` ends."""
+        end = window_start + timedelta(seconds=self.active_s) if self.is_recurring else self.end_at
+        if end is None:
+            return datetime.max.replace(tzinfo=window_start.tzinfo)
+        return min(end, self.end_at) if self.end_at is not None else end

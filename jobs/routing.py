@@ -1,0 +1,3 @@
+"""WebSocket routes of the jobs app (agent endpoint and live job/cluster/audit streams)."""
+
+websocket_urlpatterns: list = []

@@ -1,0 +1,41 @@
+"""Every periodic task in one place: Celery beat reads it in production, and the embedded mode's
+in-process loop (jobs.loop) runs the very same task functions on the same intervals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Queue(StrEnum):
+    """Celery queues. The planner gets its own so a flood of telemetry never delays a decision."""
+
+    PLANNER = "planner"
+    CONTROL = "control"
+    TELEMETRY = "telemetry"
+    DEFAULT = "celery"
+
+
+@dataclass(frozen=True)
+class PeriodicTask:
+    name: str  # the Celery task's registered name
+    interval_s: float
+    queue: Queue
+    expires_s: float  # a tick not started by then is dropped: the next one supersedes it
+
+
+# The schedule. Interval schedules are right here: these are sub-minute ticks of the control
+# loop, idempotent and superseded by the next one, so a restart that resets them loses nothing;
+# ``expires_s`` keeps a backlog from piling up while workers are down. Add each new periodic
+# task to this list, nowhere else.
+PERIODIC_TASKS: list[PeriodicTask] = []
+
+
+def setup_periodic_tasks(app) -> None:
+    for task in PERIODIC_TASKS:
+        app.add_periodic_task(
+            task.interval_s,
+            app.signature(task.name, queue=str(task.queue)),
+            name=task.name,
+            expires=task.expires_s,
+        )

@@ -1,0 +1,3 @@
+"""WebSocket routes of the telemetry app."""
+
+websocket_urlpatterns: list = []
