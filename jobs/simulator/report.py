@@ -1,0 +1,425 @@
+"""One self-contained Plotly HTML page comparing the simulator's policies on one scenario.
+
+``write_html(results, path)`` takes the per-policy result dicts the simulator prints with
+``--json`` (metrics, ``jobs``, ``events``, and the sampled ``timeline`` when present) and writes
+a page that opens offline (plotly.js is embedded inline, no CDN) with:
+
+1. GPUs over time by priority class, allocated vs useful, one panel per policy;
+2. each critical job's entitlement vs delivery, every policy overlaid;
+3. a per-job Gantt chart with preemptions marked, one panel per policy;
+4. the metrics side by side.
+
+Pure Python (plotly only, no Django); see ``docs/traces.md`` for how it is used.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+PRIORITY_CLASSES = ("critical", "regular", "best_effort")
+CLASS_COLOURS = {"critical": "#d62728", "regular": "#1f77b4", "best_effort": "#2ca02c"}
+POLICY_DASHES = ("solid", "dash", "dot", "dashdot")
+
+# Event kinds after which a job holds no GPUs against its will (marked on the Gantt).
+PREEMPTION_KINDS = frozenset({"preempt", "kill", "reclaim", "evict"})
+# Event kinds whose job loses every GPU (closing its bar) unless the event says otherwise.
+RELEASE_KINDS = frozenset({"preempt", "kill", "reclaim", "evict", "finish", "complete", "done", "cancel",
+                           "fail", "node_lost", "release"})
+
+MAX_POINTS_PER_SERIES = 4000
+MAX_GANTT_JOBS = 150
+METRIC_COLUMNS = (
+    ("utilization", "utilization", "pct"),
+    ("reservation_shortfall", "reservation shortfall", "pct"),
+    ("preemptions", "preemptions", "int"),
+    ("graceful_preemptions", "graceful preemptions", "int"),
+    ("lost_gpu_s", "lost GPU-s", "num"),
+    ("invariant_violations", "invariant violations", "count"),
+)
+
+
+def write_html(results: list[dict], path: str | Path) -> None:
+    """Write the comparison page for one scenario's per-policy results to ``path``."""
+    if not results:
+        raise ValueError("write_html needs at least one policy result")
+    scenario = str(results[0].get("scenario", "scenario"))
+    sections: list[tuple[str, str]] = [("Metrics", metrics_table_html(results))]
+    figures = [
+        ("GPUs over time by class: allocated vs useful", gpu_time_figure(results)),
+        ("Critical jobs: entitlement vs delivery", entitlement_figure(results)),
+        ("Per-job Gantt (preemptions marked)", gantt_figure(results)),
+    ]
+    include_js: bool | str = True
+    for title, figure in figures:
+        if figure is None:
+            sections.append((title, "<p>No data for this chart in these results.</p>"))
+            continue
+        sections.append((title, figure.to_html(full_html=False, include_plotlyjs=include_js,
+                                               config={"displaylogo": False})))
+        include_js = False
+    if include_js is True:  # no figure at all: still a valid, self-contained page
+        sections.append(("", ""))
+    body = "\n".join(
+        f"<section><h2>{html.escape(title)}</h2>\n{content}</section>" if title else content
+        for title, content in sections
+    )
+    page = (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>Omni simulation: {html.escape(scenario)}</title>"
+        "<style>body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}th:first-child,td:first-child"
+        "{text-align:left}.bad{color:#b00}</style></head><body>"
+        f"<h1>Omni simulation: {html.escape(scenario)}</h1>"
+        f"<p>Policies: {html.escape(', '.join(str(r.get('policy', '?')) for r in results))}</p>\n"
+        f"{body}\n</body></html>\n"
+    )
+    Path(path).write_text(page, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _format_metric(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "count":
+        return str(len(value)) if isinstance(value, Sequence) and not isinstance(value, str) else str(value)
+    if kind == "pct" and isinstance(value, int | float):
+        return f"{100 * value:.2f}%"
+    if kind == "int" and isinstance(value, int | float):
+        return f"{int(value)}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return html.escape(str(value))
+
+
+def metrics_table_html(results: Sequence[Mapping[str, Any]]) -> str:
+    """The side-by-side metrics table, one column per policy, violations listed below it."""
+    header = "".join(f"<th>{html.escape(str(r.get('policy', '?')))}</th>" for r in results)
+    rows = []
+    for key, label, kind in METRIC_COLUMNS:
+        cells = "".join(f"<td>{_format_metric(r.get(key), kind)}</td>" for r in results)
+        rows.append(f"<tr><td>{html.escape(label)}</td>{cells}</tr>")
+    finished = "".join(
+        f"<td>{sum(1 for job in r.get('jobs', []) if job.get('end_s') is not None)} / {len(r.get('jobs', []))}</td>"
+        for r in results
+    )
+    rows.append(f"<tr><td>jobs finished</td>{finished}</tr>")
+    table = f"<table id=\"metrics\"><tr><th>metric</th>{header}</tr>{''.join(rows)}</table>"
+    violations = []
+    for r in results:
+        for violation in list(r.get("invariant_violations") or [])[:20]:
+            violations.append(f"<li class=\"bad\">{html.escape(str(r.get('policy')))}: {html.escape(str(violation))}</li>")
+    if violations:
+        table += f"<ul>{''.join(violations)}</ul>"
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Time series
+
+
+def _thin(points: list[Any], limit: int = MAX_POINTS_PER_SERIES) -> list[Any]:
+    """Every k-th sample so a week-long run stays a few MB; the last sample is always kept."""
+    if len(points) <= limit:
+        return points
+    stride = math.ceil(len(points) / limit)
+    thinned = points[::stride]
+    if thinned[-1] is not points[-1]:
+        thinned.append(points[-1])
+    return thinned
+
+
+def _job_classes(result: Mapping[str, Any]) -> dict[str, str]:
+    return {str(job.get("name")): str(job.get("priority", "regular")) for job in result.get("jobs", [])}
+
+
+def _event_gpus(event: Mapping[str, Any], side: str) -> int | None:
+    """GPUs a job holds before or after an event, from ``gpus_*`` or the length of ``nodes_*``."""
+    for key in (f"gpus_{side}", f"{side}_gpus"):
+        if isinstance(event.get(key), int | float):
+            return int(event[key])
+    nodes = event.get(f"nodes_{side}")
+    if isinstance(nodes, Mapping):
+        return int(sum(float(count) for count in nodes.values()))
+    if isinstance(nodes, list):
+        total = 0
+        for node in nodes:
+            if isinstance(node, Mapping):
+                total += int(node.get("gpus", 0))
+            elif isinstance(node, list | tuple) and len(node) == 2:
+                total += int(node[1])
+            else:
+                return None
+        return total
+    return None
+
+
+def job_segments(result: Mapping[str, Any]) -> dict[str, list[tuple[float, float, int]]]:
+    """(start, end, gpus) bars per job: from ``segments`` if the simulator gives them, else from events."""
+    horizon_s = _horizon(result)
+    given: dict[str, list[tuple[float, float, int]]] = {}
+    for job in result.get("jobs", []):
+        if job.get("segments"):
+            given[str(job["name"])] = [
+                (float(s.get("start_s", s.get("start", 0.0))), float(s.get("end_s", s.get("end", horizon_s)) or horizon_s),
+                 int(s.get("gpus", 0)))
+                for s in job["segments"] if isinstance(s, Mapping)
+            ]
+    if given:
+        return given
+    segments: dict[str, list[tuple[float, float, int]]] = {}
+    open_bars: dict[str, tuple[float, int]] = {}
+    for event in result.get("events", []) or []:
+        name = event.get("job")
+        if not name:
+            continue
+        t = float(event.get("t", 0.0))
+        after = _event_gpus(event, "after")
+        if after is None:
+            if event.get("kind") in RELEASE_KINDS:
+                after = 0
+            else:
+                continue
+        current = open_bars.pop(name, None)
+        if current and t > current[0]:
+            segments.setdefault(name, []).append((current[0], t, current[1]))
+        if after > 0:
+            open_bars[name] = (t, after)
+    for name, (start, gpus) in open_bars.items():
+        segments.setdefault(name, []).append((start, horizon_s, gpus))
+    if not segments:  # no events either: one bar from start to end per job
+        for job in result.get("jobs", []):
+            if job.get("start_s") is not None:
+                end = job.get("end_s")
+                segments[str(job["name"])] = [(float(job["start_s"]), float(end if end is not None else horizon_s),
+                                               int(job.get("gpus", 0) or 0))]
+    return segments
+
+
+def _horizon(result: Mapping[str, Any]) -> float:
+    for key in ("horizon_s", "end_s", "t_end"):
+        if isinstance(result.get(key), int | float):
+            return float(result[key])
+    timeline = result.get("timeline") or []
+    if timeline and isinstance(timeline[-1], Mapping):
+        return float(timeline[-1].get("t", 0.0))
+    ends = [float(job["end_s"]) for job in result.get("jobs", []) if job.get("end_s") is not None]
+    events = [float(e.get("t", 0.0)) for e in result.get("events", []) or []]
+    return max(ends + events + [0.0])
+
+
+def class_series(result: Mapping[str, Any]) -> tuple[list[float], dict[str, list[float]], dict[str, list[float]] | None]:
+    """Sample times, allocated GPUs per class, and useful GPUs per class (None if not recorded)."""
+    timeline = [sample for sample in result.get("timeline") or [] if isinstance(sample, Mapping)]
+    if timeline:
+        timeline = _thin(timeline)
+        times = [float(sample.get("t", 0.0)) for sample in timeline]
+        allocated = {c: [float((s.get("allocated") or {}).get(c, 0)) for s in timeline] for c in PRIORITY_CLASSES}
+        has_useful = any("useful" in s for s in timeline)
+        useful = ({c: [float((s.get("useful") or {}).get(c, 0)) for s in timeline] for c in PRIORITY_CLASSES}
+                  if has_useful else None)
+        return times, allocated, useful
+    # No sampled timeline: rebuild allocation steps from the per-job bars.
+    classes = _job_classes(result)
+    deltas: dict[float, dict[str, int]] = {}
+    for name, bars in job_segments(result).items():
+        priority = classes.get(name, "regular")
+        for start, end, gpus in bars:
+            deltas.setdefault(start, {}).setdefault(priority, 0)
+            deltas[start][priority] += gpus
+            deltas.setdefault(end, {}).setdefault(priority, 0)
+            deltas[end][priority] -= gpus
+    times = []
+    allocated = {c: [] for c in PRIORITY_CLASSES}
+    level = dict.fromkeys(PRIORITY_CLASSES, 0)
+    for t in sorted(deltas):
+        for priority, delta in deltas[t].items():
+            level[priority] = level.get(priority, 0) + delta
+        times.append(t)
+        for c in PRIORITY_CLASSES:
+            allocated[c].append(float(level.get(c, 0)))
+    return times, allocated, None
+
+
+def gpu_time_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
+    """Stacked GPUs by class over time, allocated (dotted) vs useful (filled), one row per policy."""
+    series = [class_series(r) for r in results]
+    if not any(times for times, _, _ in series):
+        return None
+    titles = [f"{r.get('policy', '?')}" for r in results]
+    figure = make_subplots(rows=len(results), cols=1, shared_xaxes=True, subplot_titles=titles,
+                           vertical_spacing=0.08 if len(results) > 1 else 0.0)
+    for row, (result, (times, allocated, useful)) in enumerate(zip(results, series, strict=True), start=1):
+        hours = [t / 3600.0 for t in times]
+        policy = result.get("policy", "?")
+        for priority in PRIORITY_CLASSES:
+            colour = CLASS_COLOURS[priority]
+            if useful is not None:
+                figure.add_trace(go.Scatter(
+                    x=hours, y=useful[priority], name=f"{policy} useful {priority}", legendgroup=f"useful-{priority}",
+                    stackgroup=f"useful-{row}", line={"shape": "hv", "width": 0.5, "color": colour},
+                    showlegend=row == 1, hovertemplate="%{y:.0f} GPUs useful at %{x:.2f} h",
+                ), row=row, col=1)
+            figure.add_trace(go.Scatter(
+                x=hours, y=allocated[priority], name=f"{policy} allocated {priority}",
+                legendgroup=f"allocated-{priority}", stackgroup=f"allocated-{row}",
+                fill="none" if useful is not None else "tonexty",
+                line={"shape": "hv", "width": 1.5, "dash": "dot", "color": colour},
+                showlegend=row == 1, hovertemplate="%{y:.0f} GPUs allocated at %{x:.2f} h",
+            ), row=row, col=1)
+        figure.update_yaxes(title_text="GPUs", row=row, col=1)
+    figure.update_xaxes(title_text="hours", row=len(results), col=1)
+    figure.update_layout(height=320 * len(results) + 80, margin={"t": 40, "b": 40},
+                         legend={"orientation": "h", "y": -0.08})
+    return figure
+
+
+def entitlement_series(result: Mapping[str, Any]) -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """Per critical job: sample times, entitled GPUs, delivered GPUs (empty when not recorded)."""
+    out: dict[str, tuple[list[float], list[float], list[float]]] = {}
+    given = result.get("entitlements")
+    if isinstance(given, list):  # [{"job", "t": [...], "entitled": [...], "delivered": [...]}]
+        for item in given:
+            if isinstance(item, Mapping) and item.get("job"):
+                out[str(item["job"])] = (list(map(float, item.get("t", []))), list(map(float, item.get("entitled", []))),
+                                         list(map(float, item.get("delivered", []))))
+        return out
+    timeline = [s for s in result.get("timeline") or [] if isinstance(s, Mapping) and "entitled" in s]
+    if not timeline:
+        return out
+    timeline = _thin(timeline)
+    jobs: list[str] = []
+    for sample in timeline:
+        for name in (sample.get("entitled") or {}):
+            if name not in jobs:
+                jobs.append(name)
+    for name in jobs:
+        times = [float(s.get("t", 0.0)) for s in timeline]
+        entitled = [float((s.get("entitled") or {}).get(name, 0)) for s in timeline]
+        delivered = [float((s.get("delivered") or {}).get(name, 0)) for s in timeline]
+        out[name] = (times, entitled, delivered)
+    return out
+
+
+def entitlement_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
+    """One panel per critical job: the entitlement (shaded) and each policy's delivered GPUs."""
+    per_policy = [entitlement_series(r) for r in results]
+    critical = [name for name, priority in _job_classes(results[0]).items() if priority == "critical"]
+    jobs = [name for name in critical if any(name in series for series in per_policy)]
+    jobs += sorted({name for series in per_policy for name in series} - set(jobs))
+    if not jobs:
+        return None
+    figure = make_subplots(rows=len(jobs), cols=1, shared_xaxes=True, subplot_titles=jobs,
+                           vertical_spacing=min(0.08, 0.3 / len(jobs)))
+    for row, name in enumerate(jobs, start=1):
+        drawn_entitlement = False
+        for index, (result, series) in enumerate(zip(results, per_policy, strict=True)):
+            if name not in series:
+                continue
+            times, entitled, delivered = series[name]
+            hours = [t / 3600.0 for t in times]
+            if not drawn_entitlement:
+                figure.add_trace(go.Scatter(
+                    x=hours, y=entitled, name="entitled", legendgroup="entitled", showlegend=row == 1,
+                    line={"shape": "hv", "color": "#999"}, fill="tozeroy", fillcolor="rgba(150,150,150,0.25)",
+                ), row=row, col=1)
+                drawn_entitlement = True
+            figure.add_trace(go.Scatter(
+                x=hours, y=delivered, name=f"{result.get('policy', '?')} delivered",
+                legendgroup=f"delivered-{result.get('policy')}", showlegend=row == 1,
+                line={"shape": "hv", "dash": POLICY_DASHES[index % len(POLICY_DASHES)]},
+            ), row=row, col=1)
+        figure.update_yaxes(title_text="GPUs", row=row, col=1)
+    figure.update_xaxes(title_text="hours", row=len(jobs), col=1)
+    figure.update_layout(height=220 * len(jobs) + 100, margin={"t": 40, "b": 40})
+    return figure
+
+
+def _gantt_jobs(result: Mapping[str, Any], segments: Mapping[str, list[tuple[float, float, int]]],
+                preempted: Mapping[str, list[float]]) -> list[str]:
+    """Which jobs get a Gantt row: critical first, then the most preempted, then the largest."""
+    classes = _job_classes(result)
+    rank = {c: i for i, c in enumerate(PRIORITY_CLASSES)}
+
+    def gpu_s(name: str) -> float:
+        return sum((end - start) * gpus for start, end, gpus in segments.get(name, []))
+
+    names = [name for name in segments if segments[name]]
+    names.sort(key=lambda n: (rank.get(classes.get(n, "regular"), 3), -len(preempted.get(n, [])), -gpu_s(n), n))
+    chosen = names[:MAX_GANTT_JOBS]
+    return sorted(chosen, key=lambda n: (rank.get(classes.get(n, "regular"), 3), min(s for s, _, _ in segments[n]), n))
+
+
+def _preemptions(result: Mapping[str, Any]) -> dict[str, list[float]]:
+    marks: dict[str, list[float]] = {}
+    for event in result.get("events", []) or []:
+        if event.get("kind") in PREEMPTION_KINDS and event.get("job"):
+            marks.setdefault(str(event["job"]), []).append(float(event.get("t", 0.0)))
+    return marks
+
+
+def gantt_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
+    """Horizontal bars per job (width = held time, colour = class), preemptions as red crosses."""
+    panels = []
+    for result in results:
+        segments = job_segments(result)
+        preempted = _preemptions(result)
+        panels.append((result, segments, preempted, _gantt_jobs(result, segments, preempted)))
+    if not any(jobs for _, _, _, jobs in panels):
+        return None
+    titles = []
+    for result, segments, _, jobs in panels:
+        shown = len(jobs)
+        total = sum(1 for bars in segments.values() if bars)
+        suffix = f" ({shown} of {total} jobs that ran)" if shown < total else ""
+        titles.append(f"{result.get('policy', '?')}{suffix}")
+    heights = [max(len(jobs), 1) for _, _, _, jobs in panels]
+    figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, subplot_titles=titles,
+                           row_heights=[h / sum(heights) for h in heights], vertical_spacing=0.04)
+    for row, (result, segments, preempted, jobs) in enumerate(panels, start=1):
+        classes = _job_classes(result)
+        for priority in PRIORITY_CLASSES:
+            names, starts, widths, texts = [], [], [], []
+            for name in jobs:
+                if classes.get(name, "regular") != priority:
+                    continue
+                for start, end, gpus in segments[name]:
+                    names.append(name)
+                    starts.append(start / 3600.0)
+                    widths.append(max(end - start, 0.0) / 3600.0)
+                    texts.append(f"{name}: {gpus} GPUs")
+            if names:
+                figure.add_trace(go.Bar(
+                    y=names, x=widths, base=starts, orientation="h", name=f"{priority} running",
+                    legendgroup=f"gantt-{priority}", showlegend=row == 1, marker_color=CLASS_COLOURS[priority],
+                    hovertext=texts, hoverinfo="text+x",
+                ), row=row, col=1)
+        marks_y, marks_x = [], []
+        for name in jobs:
+            for t in preempted.get(name, []):
+                marks_y.append(name)
+                marks_x.append(t / 3600.0)
+        if marks_x:
+            figure.add_trace(go.Scatter(
+                x=marks_x, y=marks_y, mode="markers", name="preemption", legendgroup="preemption",
+                showlegend=row == 1, marker={"symbol": "x", "color": "black", "size": 8},
+            ), row=row, col=1)
+        figure.update_yaxes(type="category", categoryorder="array", categoryarray=list(reversed(jobs)),
+                            showticklabels=len(jobs) <= 60, row=row, col=1)
+    figure.update_xaxes(title_text="hours", row=len(panels), col=1)
+    figure.update_layout(barmode="overlay", height=min(18 * sum(heights) + 200, 6000), margin={"t": 40, "b": 40})
+    return figure
+
+
+def figure_trace_names(figures: Iterable[go.Figure]) -> list[str]:
+    """Trace names of the given figures (used by tests and for debugging a report)."""
+    return [str(trace.name) for figure in figures for trace in figure.data]
