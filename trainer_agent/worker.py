@@ -1,0 +1,434 @@
+"""One data-parallel rank of the reference trainer, started by ``trainer_agent.train``.
+
+Reads its configuration from the ``OMNI_TRAINER_CONFIG`` environment variable (JSON) and its
+place from the torch.distributed variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``). Trains with DDP and gradient accumulation, reports each step through
+``trainer_agent.runtime``, and checkpoints every N steps and when asked to stop.
+"""
+
+from __future__ import annotations
+
+import signal
+
+# Catch SIGTERM/SIGUSR1 from the first instruction: importing torch takes a while and a
+# preemption that arrives meanwhile must still end in a checkpoint, not a dead worker.
+_EARLY_SIGNALS: list[str] = []
+
+
+def _early_signal(signum: int, _frame: object) -> None:
+    _EARLY_SIGNALS.append(signal.Signals(signum).name)
+
+
+signal.signal(signal.SIGTERM, _early_signal)
+signal.signal(signal.SIGUSR1, _early_signal)
+
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import queue  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from trainer_agent.balancing import StepPlan, plan_step  # noqa: E402
+from trainer_agent.checkpoint import AsyncCheckpointWriter, CheckpointStore, checkpoint_name  # noqa: E402
+from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime  # noqa: E402
+from trainer_agent.schedule import LRSchedule  # noqa: E402
+from trainer_agent.workload import (  # noqa: E402
+    MicroBatch,
+    ModelConfig,
+    MultimodalLM,
+    SampleSpec,
+    collate,
+    render_sample,
+    sample_spec,
+)
+
+CONFIG_ENV = "OMNI_TRAINER_CONFIG"
+SAMPLES_PER_EPOCH = 1 << 20
+EXIT_FILE = "exit.json"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the launcher decided; identical on every rank."""
+
+    run_dir: str
+    steps: int
+    dp: int
+    seed: int
+    global_batch: int
+    micro_batch: int
+    stop_at_step: int | None
+    device: str
+    checkpoint_every: int
+    keep: int
+    balance: bool
+    async_save: bool
+    calibration_steps: int
+    calibration_start_fraction: float
+    schedule_steps: int
+    base_lr: float
+    warmup_steps: int
+    precision: str
+    prefetch_steps: int
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches per rank per step."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+
+@dataclass
+class StepBatch:
+    """This rank's share of one step, rendered and padded, plus what the whole global batch holds."""
+
+    step: int
+    plan: StepPlan
+    micro_batches: list[MicroBatch]
+    global_text_tokens: int
+    global_specs: list[SampleSpec]
+
+
+def global_batch_specs(seed: int, step: int, global_batch: int) -> list[SampleSpec]:
+    """The samples of ``step`` (1-based): indices [(step-1)*G, step*G), the same for every DP."""
+    first = (step - 1) * global_batch
+    return [sample_spec(seed, first + i) for i in range(global_batch)]
+
+
+def build_step_batch(config: WorkerConfig, model_config: ModelConfig, rank: int, step: int) -> StepBatch:
+    """Plan the step for all ranks, then render only this rank's micro-batches."""
+    specs = global_batch_specs(config.seed, step, config.global_batch)
+    plan = plan_step(specs, config.dp, config.micro_batch, model_config, config.balance)
+    by_index = {s.index: s for s in specs}
+    micro_batches = [collate([render_sample(by_index[i], config.seed) for i in mb]) for mb in plan.ranks[rank]]
+    return StepBatch(step, plan, micro_batches, sum(s.text_tokens for s in specs), specs)
+
+
+class StepPrefetcher:
+    """Builds the next ``depth`` steps' batches on a background thread so data rarely stalls compute."""
+
+    def __init__(self, config: WorkerConfig, model_config: ModelConfig, rank: int, first_step: int, last_step: int, depth: int) -> None:
+        self._queue: queue.Queue[StepBatch | BaseException] = queue.Queue(maxsize=max(1, depth))
+        self._args = (config, model_config, rank)
+        self._thread = threading.Thread(target=self._produce, args=(first_step, last_step), daemon=True, name="prefetch")
+        self._thread.start()
+
+    def _produce(self, first_step: int, last_step: int) -> None:
+        try:
+            for step in range(first_step, last_step + 1):
+                self._queue.put(build_step_batch(*self._args, step))
+        except BaseException as exc:  # surfaced to the training loop on the next get()
+            self._queue.put(exc)
+
+    def next(self) -> StepBatch:
+        """The next step's batch, waiting if it is not ready."""
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG this process has: Python, NumPy, torch CPU and all CUDA devices."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back what ``capture_rng_state`` captured."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class _CommHookState:
+    runtime: TrainerRuntime
+    world_size: int
+
+
+def fixed_order_sum_hook(state: _CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: sum gradients over ranks in rank order, so the result is bitwise reproducible.
+
+    A ring all-reduce adds partial sums in an order that depends on bucket boundaries (which DDP
+    rebuilds after the first step); gathering and adding in rank order does not. Each rank's loss
+    is already divided by the global batch's token count, so the sum is the global mean gradient.
+    """
+    buffer = bucket.buffer()
+    started = time.perf_counter()
+    if state.world_size > 1:
+        parts = [torch.empty_like(buffer) for _ in range(state.world_size)]
+        dist.all_gather(parts, buffer)
+        total = parts[0]
+        for part in parts[1:]:
+            total.add_(part)
+        buffer.copy_(total)
+    state.runtime.add_overlapped_comm_s(time.perf_counter() - started)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+# DDP inspects the hook's annotations as objects; postponed (string) annotations would be refused.
+fixed_order_sum_hook.__annotations__ = {
+    "state": _CommHookState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Drop step records after the checkpoint we resume from: those steps are recomputed."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except ValueError:
+            continue  # a line torn by a kill -9
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_exit(run_dir: Path, outcome: dict[str, Any]) -> None:
+    tmp = run_dir / f".{EXIT_FILE}.tmp"
+    tmp.write_text(json.dumps(outcome), encoding="utf-8")
+    os.replace(tmp, run_dir / EXIT_FILE)
+
+
+def _cpu_threads(dp: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // dp)
+
+
+def run(config: WorkerConfig, rank: int, world_size: int) -> int:
+    """Train this rank until done or preempted; return the process exit code."""
+    run_dir = Path(config.run_dir)
+    torch.set_num_threads(_cpu_threads(world_size))
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    use_cuda = config.device == "cuda"
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    model_config = ModelConfig()
+    store = CheckpointStore(run_dir / "checkpoints", keep=config.keep)
+
+    # Rank 0 picks (and verifies) the checkpoint; everyone loads that one.
+    choice: list[Any] = [None]
+    if rank == 0:
+        for removed in store.remove_partial_writes():
+            print(f"removed partial checkpoint write {removed.name}", file=sys.stderr, flush=True)
+        loaded = store.load_latest()
+        choice = [str(loaded.path) if loaded else None]
+    dist.broadcast_object_list(choice, src=0)
+    state: dict[str, Any] | None = None
+    if choice[0] is not None:
+        state = loaded.state if rank == 0 else torch.load(Path(choice[0]) / "state.pt", map_location="cpu", weights_only=False)
+
+    torch.manual_seed(config.seed)
+    model = MultimodalLM(model_config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.base_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    schedule = LRSchedule(config.base_lr, config.warmup_steps, config.schedule_steps)
+    use_scaler = config.precision == "fp16"
+    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+    modality_stats = {"image_tokens": 0, "video_tokens": 0, "text_tokens": 0, "image_samples": 0, "video_samples": 0}
+    start_step = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule = LRSchedule.from_state_dict(state["lr_schedule"])
+        if state.get("grad_scaler") and use_scaler:
+            scaler.load_state_dict(state["grad_scaler"])
+        modality_stats = dict(state["modality_stats"])
+        start_step = int(state["step"])
+        saved_rng = state["rng"]["per_rank"]
+        # A rank that did not exist at save time (growing DP) starts from its seeded default.
+        if rank < len(saved_rng):
+            restore_rng_state(saved_rng[rank])
+        previous_dp = int(state["batch"]["dp"])
+        if previous_dp != world_size and config.calibration_steps > 0:
+            schedule.start_calibration(start_step + 1, config.calibration_steps, config.calibration_start_fraction)
+        if rank == 0:
+            _trim_metrics(run_dir / "metrics.jsonl", start_step)
+            print(
+                f"resumed from {checkpoint_name(start_step)}: dp {previous_dp} -> {world_size}, "
+                f"accum {state['batch']['accum']} -> {config.accum}, global batch {config.global_batch}",
+                flush=True,
+            )
+    elif rank == 0:
+        _trim_metrics(run_dir / "metrics.jsonl", 0)
+        print(f"starting fresh: dp {world_size}, accum {config.accum}, global batch {config.global_batch}", flush=True)
+    del state
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    runtime = TrainerRuntime(
+        sink=JsonlFileSink(run_dir / "metrics.jsonl") if rank == 0 else None,
+        control=ControlFile(run_dir / "control.json"),
+        rank=rank,
+        world_size=world_size,
+        device=device,
+    )
+    for name in _EARLY_SIGNALS:
+        runtime.request_stop(name)
+    ddp.register_comm_hook(_CommHookState(runtime, world_size), fixed_order_sum_hook)
+    writer = AsyncCheckpointWriter(store) if config.async_save and rank == 0 else None
+
+    def save(step: int) -> dict[str, Any]:
+        rng_states: list[Any] = [None] * world_size
+        dist.all_gather_object(rng_states, capture_rng_state())
+        if rank != 0:
+            return {}
+        payload = {
+            "format": "omni-trainer-state/1",
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_schedule": schedule.state_dict(),
+            "grad_scaler": scaler.state_dict() if use_scaler else None,
+            "precision": config.precision,
+            "rng": {"per_rank": rng_states, "world_size": world_size},
+            "data": {
+                "seed": config.seed,
+                "next_sample_index": step * config.global_batch,
+                "epoch": (step * config.global_batch) // SAMPLES_PER_EPOCH,
+                "samples_per_epoch": SAMPLES_PER_EPOCH,
+            },
+            "batch": {"global_batch": config.global_batch, "micro_batch": config.micro_batch, "dp": world_size, "accum": config.accum},
+            "modality_stats": dict(modality_stats),
+            "model_config": model_config.as_dict(),
+            "run": {"schedule_steps": config.schedule_steps, "base_lr": config.base_lr, "warmup_steps": config.warmup_steps},
+        }
+        manifest_extra = {"batch": payload["batch"], "seed": config.seed, **payload["run"]}
+        if writer is not None:
+            blocked_s = writer.submit(payload, step, manifest_extra)
+            return {"checkpoint": checkpoint_name(step), "save_blocked_s": blocked_s}
+        path, save_s = store.save(payload, step, manifest_extra)
+        return {"checkpoint": path.name, "save_s": save_s, "save_blocked_s": save_s}
+
+    stop_at = config.stop_at_step if config.stop_at_step and config.stop_at_step > start_step else None
+    last_step = min(config.steps, stop_at) if stop_at else config.steps
+    outcome: dict[str, Any] = {"outcome": "completed", "step": start_step}
+    prefetcher = StepPrefetcher(config, model_config, rank, start_step + 1, last_step, config.prefetch_steps) if start_step < last_step else None
+    autocast = (lambda: torch.autocast(device.type, dtype=autocast_dtype)) if autocast_dtype else nullcontext
+
+    for step in range(start_step + 1, last_step + 1):
+        runtime.begin_step(step)
+        with runtime.data_wait():
+            assert prefetcher is not None
+            batch = prefetcher.next()
+        lr = schedule.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inv_tokens = 1.0 / batch.global_text_tokens
+        with runtime.compute():
+            optimizer.zero_grad(set_to_none=True)
+            local_loss = torch.zeros((), dtype=torch.float64, device=device)
+            for i, micro in enumerate(batch.micro_batches):
+                micro = micro.to(device)
+                sync = ddp.no_sync() if i < len(batch.micro_batches) - 1 else nullcontext()
+                with sync:
+                    with autocast():
+                        loss_sum = ddp(micro)
+                    scaled = loss_sum * inv_tokens
+                    scaler.scale(scaled).backward() if use_scaler else scaled.backward()
+                local_loss += loss_sum.detach().double()
+            if use_scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            local_loss_value = float(local_loss)  # waits for the device
+        local_tokens = {"image": 0, "video": 0, "text": 0}
+        local_samples = {"image": 0, "video": 0}
+        for micro in batch.micro_batches:
+            for name, count in micro.tokens.items():
+                local_tokens[name] += count
+        first_index = batch.global_specs[0].index
+        for sample_index in (i for mb in batch.plan.ranks[rank] for i in mb):
+            local_samples[batch.global_specs[sample_index - first_index].modality] += 1
+        runtime.count_tokens(**local_tokens, image_samples=local_samples["image"], video_samples=local_samples["video"])
+        runtime.add_loss(local_loss_value, local_tokens["text"])
+        for spec in batch.global_specs:
+            modality_stats[f"{spec.modality}_tokens"] += spec.visual_tokens
+            modality_stats[f"{spec.modality}_samples"] += 1
+            modality_stats["text_tokens"] += spec.text_tokens
+        record_extra = {
+            "lr": lr, "dp": world_size, "accum": config.accum, "micro_batch": config.micro_batch,
+            "global_batch": config.global_batch, "balance": config.balance,
+            "estimated_imbalance": batch.plan.estimated_imbalance,
+        }
+        runtime.end_step(record_extra)
+        stopping = runtime.should_checkpoint_and_stop() or step == last_step
+        if stopping or step % config.checkpoint_every == 0:
+            saved = save(step)
+            if rank == 0 and saved:
+                outcome.update(saved)
+        outcome["step"] = step
+        if runtime.should_checkpoint_and_stop():
+            outcome["outcome"] = "resize" if runtime.requested_dp() else "preempted"
+            outcome["reason"] = runtime.stop_reason
+            outcome["requested_dp"] = runtime.requested_dp()
+            break
+    else:
+        if stop_at is not None and last_step == stop_at and stop_at < config.steps:
+            outcome.update(outcome="preempted", reason=f"--stop-at-step {stop_at}")
+
+    if writer is not None:
+        writer.wait()
+        if writer.last_save_s is not None:
+            outcome["save_s"] = writer.last_save_s
+    dist.barrier()
+    if rank == 0:
+        runtime.acknowledge_control()
+        _write_exit(run_dir, outcome)
+    runtime.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    """Entry point of one worker process."""
+    _die_with_parent()
+    config = WorkerConfig(**json.loads(os.environ[CONFIG_ENV]))
+    return run(config, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
