@@ -7,3 +7,9 @@ class JobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
     name = "jobs"
     verbose_name = "Jobs and cluster"
+
+    def ready(self) -> None:
+        # Live pages: every committed audit row is broadcast to the groups that show it.
+        from jobs import live_events
+
+        live_events.connect()

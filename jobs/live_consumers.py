@@ -1,0 +1,170 @@
+"""The browsers' WebSocket: one socket per page, subscribing to the streams it shows.
+
+``/ws/live/`` accepts only signed-in users with an Omni role. The page then sends
+``{"action": "subscribe", "stream": "job", "id": 7}`` (streams: ``cluster``, ``audit``,
+``job``, ``node``) and each subscribe is checked against the user's roles, like AWX's
+consumers: a researcher may follow only their own jobs, only operators and auditors follow the
+audit log. Messages from :mod:`jobs.live` arrive through ``live_message`` and go out as
+``{"type": "live", "event": ..., "payload": ...}``. Telemetry frames are throttled: at most one
+frame per ``FRAME_INTERVAL_S`` per socket, later samples batched into the next frame
+(``{"type": "live", "event": ..., "batch": [payload, ...]}``), so a busy job cannot flood a
+browser (AWX ``MAX_WEBSOCKET_EVENT_RATE``). See docs/live-ui.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from jobs import roles
+from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, job_group, node_group
+from jobs.models import Job, Node
+
+logger = logging.getLogger(__name__)
+
+# Events that carry telemetry samples: batched and rate-limited. Everything else (decisions,
+# state changes) goes out at once, after any telemetry already buffered so order is kept.
+TELEMETRY_EVENTS = frozenset({"gpu_samples", "step_records", "telemetry", "gpu", "steps"})
+MAX_SUBSCRIPTIONS = 256
+MAX_BUFFERED_PAYLOADS = 5000
+
+CLOSE_NOT_SIGNED_IN = 4401
+CLOSE_NO_ROLE = 4403
+
+
+def _subscription_check(user, stream: str, object_id: Any) -> tuple[str | None, int, str]:
+    """(group, status, message): the group to join, or why not (403/404/400)."""
+    if stream == "cluster":
+        return CLUSTER_GROUP, 200, "ok"
+    if stream == "audit":
+        if roles.can_read_audit(user):
+            return AUDIT_GROUP, 200, "ok"
+        return None, 403, "only operators and auditors may follow the audit log"
+    try:
+        pk = int(object_id)
+    except (TypeError, ValueError):
+        return None, 400, f"stream {stream!r} needs a numeric id"
+    if stream == "job":
+        job = Job.objects.filter(pk=pk).only("id", "owner_id").first()
+        if job is None:
+            return None, 404, f"no job {pk}"
+        if roles.is_operator(user) or roles.is_auditor(user) or job.owner_id == user.pk:
+            return job_group(pk), 200, "ok"
+        return None, 403, "researchers may follow only their own jobs"
+    if stream == "node":
+        if not Node.objects.filter(pk=pk).exists():
+            return None, 404, f"no node {pk}"
+        return node_group(pk), 200, "ok"
+    return None, 400, f"unknown stream {stream!r}; expected cluster, audit, job or node"
+
+
+class LiveConsumer(AsyncJsonWebsocketConsumer):
+    """One browser page's socket: permission-checked subscriptions and throttled telemetry."""
+
+    FRAME_INTERVAL_S = 0.25
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        self.joined: set[str] = set()
+        self.buffer: dict[str, list[Any]] = {}
+        self.buffered = 0
+        self.dropped = 0
+        self.last_frame_at = 0.0
+        self.flush_handle: asyncio.TimerHandle | None = None
+        if user is None or not user.is_authenticated:
+            await self.close(code=CLOSE_NOT_SIGNED_IN)
+            return
+        if not await database_sync_to_async(roles.has_any_role)(user):
+            await self.close(code=CLOSE_NO_ROLE)
+            return
+        await self.accept()
+        await self.send_json({"type": "hello", "user": user.get_username(),
+                              "roles": sorted(roles.role_names(user))})
+
+    async def disconnect(self, code: int) -> None:
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+        for group in list(getattr(self, "joined", ())):
+            await self.channel_layer.group_discard(group, self.channel_name)
+
+    async def receive_json(self, content: Any, **kwargs) -> None:
+        if not isinstance(content, dict):
+            await self.send_json({"type": "error", "status": 400, "message": "send a JSON object"})
+            return
+        action = content.get("action")
+        stream = content.get("stream")
+        if action not in ("subscribe", "unsubscribe"):
+            await self.send_json({"type": "error", "status": 400,
+                                  "message": "action must be subscribe or unsubscribe"})
+            return
+        group, status, message = await database_sync_to_async(_subscription_check)(
+            self.scope["user"], str(stream), content.get("id")
+        )
+        reply = {"stream": stream, "id": content.get("id")}
+        if group is None:
+            await self.send_json({"type": "error", "status": status, "message": message, **reply})
+            return
+        if action == "unsubscribe":
+            if group in self.joined:
+                self.joined.discard(group)
+                await self.channel_layer.group_discard(group, self.channel_name)
+            await self.send_json({"type": "unsubscribed", "group": group, **reply})
+            return
+        if group not in self.joined:
+            if len(self.joined) >= MAX_SUBSCRIPTIONS:
+                await self.send_json({"type": "error", "status": 429,
+                                      "message": f"at most {MAX_SUBSCRIPTIONS} streams per socket", **reply})
+                return
+            self.joined.add(group)
+            await self.channel_layer.group_add(group, self.channel_name)
+        await self.send_json({"type": "subscribed", "group": group, **reply})
+
+    # -- messages from jobs.live ---------------------------------------------------------------
+
+    async def live_message(self, message: dict[str, Any]) -> None:
+        event = message.get("event", "")
+        payload = message.get("payload")
+        if event in TELEMETRY_EVENTS:
+            self._buffer(event, payload)
+            now = time.monotonic()
+            wait_s = self.last_frame_at + self.FRAME_INTERVAL_S - now
+            if wait_s <= 0 and self.flush_handle is None:
+                await self._flush()
+            elif self.flush_handle is None:
+                loop = asyncio.get_running_loop()
+                self.flush_handle = loop.call_later(wait_s, lambda: asyncio.ensure_future(self._flush()))
+            return
+        await self._flush(force=True)
+        await self.send_json({"type": "live", "event": event, "payload": payload})
+
+    def _buffer(self, event: str, payload: Any) -> None:
+        if self.buffered >= MAX_BUFFERED_PAYLOADS:
+            # A browser that cannot keep up loses the oldest samples, never the socket; the
+            # page shows how many were dropped and a reload reads them from the database.
+            oldest = next(iter(self.buffer))
+            self.buffer[oldest].pop(0)
+            if not self.buffer[oldest]:
+                del self.buffer[oldest]
+            self.buffered -= 1
+            self.dropped += 1
+        self.buffer.setdefault(event, []).append(payload)
+        self.buffered += 1
+
+    async def _flush(self, force: bool = False) -> None:
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        if not self.buffer:
+            return
+        frames, self.buffer, self.buffered = self.buffer, {}, 0
+        self.last_frame_at = time.monotonic()
+        for event, batch in frames.items():
+            frame: dict[str, Any] = {"type": "live", "event": event, "batch": batch}
+            if self.dropped:
+                frame["dropped"], self.dropped = self.dropped, 0
+            await self.send_json(frame)
