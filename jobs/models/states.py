@@ -9,6 +9,8 @@ class IllegalTransition(Exception):
     """A status change that the model's state machine does not allow (the API answers 409)."""
 
     def __init__(self, model: str, name: str, current: str, target: str, allowed: frozenset[str]):
+        current, target = str(current), str(target)  # TextChoices members print as their value
+        allowed = frozenset(str(state) for state in allowed)
         self.model = model
         self.name = name
         self.current = current

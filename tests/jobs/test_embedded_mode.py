@@ -1,0 +1,103 @@
+"""The embedded mode boots from nothing: no environment, no servers, a fresh var/ directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from http.cookiejar import CookieJar
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bare_env(var_dir: Path) -> dict[str, str]:
+    # Only what any shell has: no DATABASE_URL, REDIS_URL, SECRET_KEY or Django settings.
+    keep = ("PATH", "HOME", "LANG", "TMPDIR", "SYSTEMROOT")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env["OMNI_VAR_DIR"] = str(var_dir)  # a fresh directory instead of the checkout's var/
+    return env
+
+
+@pytest.mark.slow
+def test_embedded_mode_boots_from_nothing_and_serves_login_and_dashboard(tmp_path):
+    env = _bare_env(tmp_path / "var")
+    for command in (["migrate", "--noinput", "-v0"], ["seed_demo"]):
+        result = subprocess.run([sys.executable, "manage.py", *command], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / "var" / "omni.sqlite3").exists()
+    assert "Demo logins" in result.stdout
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port)], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                login_page = urllib.request.urlopen(f"{base}/login/", timeout=5).read().decode()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise AssertionError("server did not answer: " + (server.stdout.read() if server.poll() is not None else "")) from None
+                time.sleep(0.5)
+        assert "Log in to Omni" in login_page
+
+        jar = CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        page = opener.open(f"{base}/login/", timeout=10).read().decode()
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
+        form = urlencode({"username": "alice", "password": "omni-demo-pass", "csrfmiddlewaretoken": token})
+        request = urllib.request.Request(f"{base}/login/", data=form.encode(), headers={"Referer": f"{base}/login/"})
+        dashboard = opener.open(request, timeout=10).read().decode()
+        assert "omni-7b" in dashboard and "r0s0n0" in dashboard
+        css = urllib.request.urlopen(f"{base}/static/css/omni.css", timeout=10)
+        assert css.status == 200
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=20)
+
+
+def test_dashboard_redirects_anonymous_users_to_login(client, db):
+    response = client.get("/")
+    assert response.status_code == 302 and response["Location"].startswith("/login/")
+
+
+def test_user_without_a_role_gets_a_clear_403(client, outsider):
+    client.force_login(outsider)
+    response = client.get("/")
+    assert response.status_code == 403 and b"No role yet" in response.content
+
+
+def test_seed_demo_builds_the_cluster_through_actions(db, capsys):
+    from django.core.management import call_command
+
+    from jobs.audit import verify_chain
+    from jobs.models import Allocation, ElasticEvent, Job, Node, Reservation
+
+    call_command("seed_demo")
+    assert Node.objects.count() == 32 and Reservation.objects.count() == 2
+    assert set(Job.objects.values_list("priority", flat=True)) == {"critical", "regular", "best_effort"}
+    assert Allocation.objects.exists()
+    assert ElasticEvent.objects.filter(kind="submit").count() == Job.objects.count()
+    assert verify_chain().ok
+    call_command("seed_demo")  # idempotent
+    assert Node.objects.count() == 32
