@@ -62,6 +62,23 @@ try:
     OMNI_COMMAND_MAX_ATTEMPTS = env_int("OMNI_COMMAND_MAX_ATTEMPTS", 3, minimum=1)
     # Run the periodic tasks in-process (embedded mode) instead of Celery beat.
     OMNI_INPROCESS_LOOP = env_bool("OMNI_INPROCESS_LOOP", default=REDIS_URL is None)
+    # --- telemetry (docs/telemetry.md) -------------------------------------------------------
+    OMNI_TELEMETRY_RAW_RETENTION_H = env_int("OMNI_TELEMETRY_RAW_RETENTION_H", 48, minimum=1)
+    OMNI_TELEMETRY_MINUTE_RETENTION_D = env_int("OMNI_TELEMETRY_MINUTE_RETENTION_D", 30, minimum=1)
+    # 0 keeps hourly rollups forever.
+    OMNI_TELEMETRY_HOUR_RETENTION_D = env_int("OMNI_TELEMETRY_HOUR_RETENTION_D", 0, minimum=0)
+    OMNI_TELEMETRY_PARTITIONS_AHEAD_D = env_int("OMNI_TELEMETRY_PARTITIONS_AHEAD_D", 3, minimum=1)
+    OMNI_TELEMETRY_MAX_BATCH = env_int("OMNI_TELEMETRY_MAX_BATCH", 20000, minimum=1)
+    OMNI_TELEMETRY_MAX_FUTURE_S = env_float("OMNI_TELEMETRY_MAX_FUTURE_S", 300.0, minimum=0.0)
+    # Telemetry commits skip the WAL flush wait: a database crash may lose the last ~0.6 s of
+    # samples, never consistency. Set to 0 to wait for every flush.
+    OMNI_TELEMETRY_ASYNC_COMMIT = env_bool("OMNI_TELEMETRY_ASYNC_COMMIT", default=True)
+    OMNI_TELEMETRY_LIVE_INTERVAL_S = env_float("OMNI_TELEMETRY_LIVE_INTERVAL_S", 1.0, minimum=0.0)
+    OMNI_TELEMETRY_ROLLUP_INTERVAL_S = env_float("OMNI_TELEMETRY_ROLLUP_INTERVAL_S", 30.0, minimum=1.0)
+    OMNI_TELEMETRY_ROLLUP_GRACE_S = env_float("OMNI_TELEMETRY_ROLLUP_GRACE_S", 120.0, minimum=0.0)
+    # /metrics answers operators' sessions, or this bearer token (for Prometheus).
+    OMNI_METRICS_TOKEN = env_str("OMNI_METRICS_TOKEN")
+    # --- end telemetry -------------------------------------------------------------------------
     LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
     if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise EnvError(f"LOG_LEVEL: expected DEBUG/INFO/WARNING/ERROR/CRITICAL, got {LOG_LEVEL!r}")
