@@ -1,0 +1,248 @@
+"""The browsers' socket: who may connect and subscribe, what arrives, and telemetry throttling.
+
+Driven with Channels' WebsocketCommunicator against the real consumer (and, for the session
+cookie path, the real ASGI application), with the in-memory channel layer of the embedded mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import AnonymousUser
+from django.test import Client
+
+from jobs import actions
+from jobs.live import job_group
+from jobs.live_consumers import LiveConsumer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run(scenario) -> None:
+    """Run an async scenario to completion from a sync test (no pytest-asyncio needed)."""
+    async_to_sync(scenario)()
+
+
+async def connect(user) -> WebsocketCommunicator:
+    communicator = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
+    communicator.scope["user"] = user
+    connected, _ = await communicator.connect()
+    assert connected
+    hello = await communicator.receive_json_from(timeout=2)
+    assert hello["type"] == "hello"
+    return communicator
+
+
+async def subscribe(communicator: WebsocketCommunicator, stream: str, object_id=None) -> dict:
+    await communicator.send_json_to({"action": "subscribe", "stream": stream, "id": object_id})
+    return await communicator.receive_json_from(timeout=2)
+
+
+def test_anonymous_socket_is_closed_with_4401():
+    async def scenario():
+        communicator = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
+        communicator.scope["user"] = AnonymousUser()
+        connected, code = await communicator.connect()
+        assert not connected and code == 4401
+
+    run(scenario)
+
+
+def test_user_without_a_role_is_closed_with_4403(outsider):
+    async def scenario():
+        communicator = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
+        communicator.scope["user"] = outsider
+        connected, code = await communicator.connect()
+        assert not connected and code == 4403
+
+    run(scenario)
+
+
+def test_session_cookie_signs_the_socket_in_through_the_real_asgi_app(researcher):
+    from omniweb.asgi import application
+
+    client = Client()
+    client.force_login(researcher)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+
+    async def scenario():
+        communicator = WebsocketCommunicator(
+            application, "/ws/live/", headers=[(b"cookie", cookie), (b"origin", b"http://testserver")]
+        )
+        connected, _ = await communicator.connect()
+        assert connected
+        hello = await communicator.receive_json_from(timeout=2)
+        assert hello == {"type": "hello", "user": "rita", "roles": ["researcher"]}
+        await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_foreign_origin_is_refused(researcher):
+    from omniweb.asgi import application
+
+    async def scenario():
+        communicator = WebsocketCommunicator(application, "/ws/live/", headers=[(b"origin", b"http://evil.example")])
+        connected, _ = await communicator.connect()
+        assert not connected
+
+    run(scenario)
+
+
+def test_researcher_follows_own_job_but_not_anothers(researcher, other_researcher, make_job):
+    mine = make_job()
+    theirs = make_job(owner=other_researcher)
+
+    async def scenario():
+        communicator = await connect(researcher)
+        ok = await subscribe(communicator, "job", mine.pk)
+        assert ok["type"] == "subscribed" and ok["group"] == f"job-{mine.pk}"
+        refused = await subscribe(communicator, "job", theirs.pk)
+        assert refused["type"] == "error" and refused["status"] == 403
+        missing = await subscribe(communicator, "job", 999999)
+        assert missing["status"] == 404
+        audit = await subscribe(communicator, "audit")
+        assert audit["status"] == 403
+        cluster = await subscribe(communicator, "cluster")
+        assert cluster["type"] == "subscribed"
+        bad = await subscribe(communicator, "planet", 1)
+        assert bad["status"] == 400
+        await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_auditor_and_operator_follow_any_job_and_the_audit_log(auditor, operator, make_job):
+    job = make_job()
+
+    async def scenario():
+        for user in (auditor, operator):
+            communicator = await connect(user)
+            assert (await subscribe(communicator, "job", job.pk))["type"] == "subscribed"
+            assert (await subscribe(communicator, "audit"))["type"] == "subscribed"
+            await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_drain_reaches_audit_and_cluster_subscribers_with_complete_payloads(operator, auditor, make_nodes):
+    node = make_nodes(racks=1, switches=1, nodes=1)[0]
+
+    async def scenario():
+        watcher = await connect(auditor)
+        await subscribe(watcher, "audit")
+        await subscribe(watcher, "cluster")
+        await database_sync_to_async(actions.drain_node)(node, operator)
+        messages = [await watcher.receive_json_from(timeout=2) for _ in range(2)]
+        by_event = {m["event"]: m["payload"] for m in messages}
+        audit = by_event["audit"]
+        assert audit["kind"] == "drain" and audit["actor"] == "olive"
+        assert "olive drained r0s0n0" in audit["text"]
+        assert audit["reason"]["inputs"] == {"node": "r0s0n0", "from": "healthy", "to": "draining"}
+        assert len(audit["hash"]) == 64
+        assert by_event["node"]["state"] == "draining" and len(by_event["node"]["gpus"]) == 8
+        await watcher.disconnect()
+
+    run(scenario)
+
+
+def test_job_subscriber_gets_the_event_and_the_jobs_new_summary(researcher, make_job):
+    job = make_job()
+
+    async def scenario():
+        communicator = await connect(researcher)
+        await subscribe(communicator, "job", job.pk)
+        await database_sync_to_async(actions.cancel_job)(job, researcher)
+        message = await communicator.receive_json_from(timeout=2)
+        assert message["event"] == "job_event"
+        assert message["payload"]["event"]["kind"] == "cancel"
+        assert message["payload"]["job"]["state"] == "cancelled"
+        assert message["payload"]["job"]["name"] == job.name
+        await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_telemetry_frames_are_throttled_and_batched_without_losing_samples(researcher, make_job, monkeypatch):
+    job = make_job()
+    monkeypatch.setattr(LiveConsumer, "FRAME_INTERVAL_S", 0.3)
+
+    async def scenario():
+        communicator = await connect(researcher)
+        await subscribe(communicator, "job", job.pk)
+        layer = get_channel_layer()
+        for i in range(50):
+            await layer.group_send(job_group(job.pk), {
+                "type": "live.message", "event": "gpu_samples", "payload": {"job_id": job.pk, "i": i},
+            })
+        frames = []
+        received = 0
+        while received < 50:
+            frame = await communicator.receive_json_from(timeout=2)
+            frames.append(frame)
+            received += len(frame["batch"])
+        # The first sample goes out at once; the other 49 wait for the next frame, together.
+        assert len(frames) == 2
+        assert [p["i"] for f in frames for p in f["batch"]] == list(range(50))
+        assert await communicator.receive_nothing(timeout=0.4)
+        await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_a_decision_flushes_buffered_telemetry_first_so_order_is_kept(researcher, make_job, monkeypatch):
+    job = make_job()
+    monkeypatch.setattr(LiveConsumer, "FRAME_INTERVAL_S", 5.0)
+
+    async def scenario():
+        communicator = await connect(researcher)
+        await subscribe(communicator, "job", job.pk)
+        layer = get_channel_layer()
+        group = job_group(job.pk)
+        await layer.group_send(group, {"type": "live.message", "event": "step_records", "payload": {"step": 1}})
+        await layer.group_send(group, {"type": "live.message", "event": "step_records", "payload": {"step": 2}})
+        await layer.group_send(group, {"type": "live.message", "event": "job_event", "payload": {"x": 1}})
+        first = await communicator.receive_json_from(timeout=1)
+        second = await communicator.receive_json_from(timeout=1)
+        third = await communicator.receive_json_from(timeout=1)
+        assert first["batch"] == [{"step": 1}]
+        assert second["batch"] == [{"step": 2}]
+        assert third == {"type": "live", "event": "job_event", "payload": {"x": 1}}
+        await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_unsubscribe_stops_messages(researcher, make_job):
+    job = make_job()
+
+    async def scenario():
+        communicator = await connect(researcher)
+        await subscribe(communicator, "job", job.pk)
+        await communicator.send_json_to({"action": "unsubscribe", "stream": "job", "id": job.pk})
+        assert (await communicator.receive_json_from(timeout=2))["type"] == "unsubscribed"
+        await get_channel_layer().group_send(
+            job_group(job.pk), {"type": "live.message", "event": "job_event", "payload": {}}
+        )
+        assert await communicator.receive_nothing(timeout=0.3)
+        await communicator.disconnect()
+
+    run(scenario)
+
+
+def test_bad_messages_get_an_error_not_a_closed_socket(researcher):
+    async def scenario():
+        communicator = await connect(researcher)
+        await communicator.send_json_to(["not", "an", "object"])
+        assert (await communicator.receive_json_from(timeout=2))["status"] == 400
+        await communicator.send_json_to({"action": "explode"})
+        assert (await communicator.receive_json_from(timeout=2))["status"] == 400
+        await communicator.send_json_to({"action": "subscribe", "stream": "job", "id": "x"})
+        assert (await communicator.receive_json_from(timeout=2))["status"] == 400
+        await communicator.disconnect()
+
+    run(scenario)
+
