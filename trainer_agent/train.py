@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="fp16 uses a loss scaler")
     p.add_argument("--prefetch-steps", type=int, default=3, help="steps of batches prepared ahead")
+    p.add_argument("--model", choices=("tiny", "small"), default=None, help="model preset (default tiny, or the checkpoint's)")
     p.add_argument("--max-dp", type=int, default=64, help="refuse a larger --dp")
     return p
 
@@ -91,6 +92,10 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     micro_batch = pick("micro_batch", args.micro_batch, saved_batch.get("micro_batch"), DEFAULT_MICRO_BATCH, False)
     seed = pick("seed", args.seed, manifest.get("seed"), DEFAULT_SEED, True)
     schedule_steps = pick("schedule_steps", args.schedule_steps, manifest.get("schedule_steps"), args.steps, True)
+    saved_model = manifest.get("model")
+    if args.model and saved_model and args.model != saved_model:
+        fail(f"--model {args.model} differs from the checkpoint's {saved_model}")
+    model = args.model or saved_model or "tiny"
     if global_batch < 1 or micro_batch < 1:
         fail(f"global batch ({global_batch}) and micro-batch ({micro_batch}) must be positive")
     validate_dp(args.dp, global_batch, micro_batch, args.max_dp)
@@ -108,7 +113,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         "async_save": args.async_save, "calibration_steps": max(0, args.calibration_steps),
         "calibration_start_fraction": args.calibration_start_fraction, "schedule_steps": schedule_steps,
         "base_lr": args.lr, "warmup_steps": args.warmup_steps, "precision": args.precision,
-        "prefetch_steps": max(1, args.prefetch_steps),
+        "prefetch_steps": max(1, args.prefetch_steps), "model": model,
     }
 
 

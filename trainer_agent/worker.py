@@ -46,6 +46,7 @@ from trainer_agent.checkpoint import AsyncCheckpointWriter, CheckpointStore, che
 from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime  # noqa: E402
 from trainer_agent.schedule import LRSchedule  # noqa: E402
 from trainer_agent.workload import (  # noqa: E402
+    MODEL_PRESETS,
     MicroBatch,
     ModelConfig,
     MultimodalLM,
@@ -83,6 +84,7 @@ class WorkerConfig:
     warmup_steps: int
     precision: str
     prefetch_steps: int
+    model: str = "tiny"
 
     @property
     def accum(self) -> int:
@@ -101,15 +103,15 @@ class StepBatch:
     global_specs: list[SampleSpec]
 
 
-def global_batch_specs(seed: int, step: int, global_batch: int) -> list[SampleSpec]:
+def global_batch_specs(seed: int, step: int, global_batch: int, patch_px: int = 8) -> list[SampleSpec]:
     """The samples of ``step`` (1-based): indices [(step-1)*G, step*G), the same for every DP."""
     first = (step - 1) * global_batch
-    return [sample_spec(seed, first + i) for i in range(global_batch)]
+    return [sample_spec(seed, first + i, patch_px) for i in range(global_batch)]
 
 
 def build_step_batch(config: WorkerConfig, model_config: ModelConfig, rank: int, step: int) -> StepBatch:
     """Plan the step for all ranks, then render only this rank's micro-batches."""
-    specs = global_batch_specs(config.seed, step, config.global_batch)
+    specs = global_batch_specs(config.seed, step, config.global_batch, model_config.patch_px)
     plan = plan_step(specs, config.dp, config.micro_batch, model_config, config.balance)
     by_index = {s.index: s for s in specs}
     micro_batches = [collate([render_sample(by_index[i], config.seed) for i in mb]) for mb in plan.ranks[rank]]
@@ -193,6 +195,60 @@ fixed_order_sum_hook.__annotations__ = {
 }
 
 
+def compute_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: StepBatch,
+    device: torch.device,
+    scaler: torch.amp.GradScaler | None,
+    autocast: Any = nullcontext,
+) -> float:
+    """Forward and backward over this rank's micro-batches, accumulating, then the optimizer step.
+
+    Each micro-batch's summed token loss is divided by the *global* batch's token count, and the
+    comm hook sums gradients over ranks, so the update is the exact global-batch mean gradient
+    whatever DP and the split are. Gradients are synchronised only on the last micro-batch.
+    Returns this rank's summed token loss (nats).
+    """
+    inv_tokens = 1.0 / batch.global_text_tokens
+    optimizer.zero_grad(set_to_none=True)
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
+    last = len(batch.micro_batches) - 1
+    for i, micro in enumerate(batch.micro_batches):
+        micro = micro.to(device)
+        no_sync = getattr(model, "no_sync", None)
+        sync = no_sync() if no_sync is not None and i < last else nullcontext()
+        with sync:
+            with autocast():
+                loss_sum = model(micro)
+            scaled = loss_sum * inv_tokens
+            if scaler is not None:
+                scaler.scale(scaled).backward()
+            else:
+                scaled.backward()
+        local_loss += loss_sum.detach().double()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return float(local_loss)  # waits for the device
+
+
+def report_tokens(runtime: TrainerRuntime, batch: StepBatch, rank: int, local_loss: float) -> None:
+    """Hand this rank's loss, tokens and samples per modality for the step to the runtime."""
+    local_tokens = {"image": 0, "video": 0, "text": 0}
+    for micro in batch.micro_batches:
+        for name, count in micro.tokens.items():
+            local_tokens[name] += count
+    local_samples = {"image": 0, "video": 0}
+    first_index = batch.global_specs[0].index
+    for sample_index in (i for mb in batch.plan.ranks[rank] for i in mb):
+        local_samples[batch.global_specs[sample_index - first_index].modality] += 1
+    runtime.count_tokens(**local_tokens, image_samples=local_samples["image"], video_samples=local_samples["video"])
+    runtime.add_loss(local_loss, local_tokens["text"])
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -246,7 +302,7 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-    model_config = ModelConfig()
+    model_config = MODEL_PRESETS[config.model]
     store = CheckpointStore(run_dir / "checkpoints", keep=config.keep)
 
     # Rank 0 picks (and verifies) the checkpoint; everyone loads that one.
@@ -335,7 +391,7 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
             "model_config": model_config.as_dict(),
             "run": {"schedule_steps": config.schedule_steps, "base_lr": config.base_lr, "warmup_steps": config.warmup_steps},
         }
-        manifest_extra = {"batch": payload["batch"], "seed": config.seed, **payload["run"]}
+        manifest_extra = {"batch": payload["batch"], "seed": config.seed, "model": config.model, **payload["run"]}
         if writer is not None:
             blocked_s = writer.submit(payload, step, manifest_extra)
             return {"checkpoint": checkpoint_name(step), "save_blocked_s": blocked_s}
@@ -356,35 +412,9 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
         lr = schedule.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inv_tokens = 1.0 / batch.global_text_tokens
         with runtime.compute():
-            optimizer.zero_grad(set_to_none=True)
-            local_loss = torch.zeros((), dtype=torch.float64, device=device)
-            for i, micro in enumerate(batch.micro_batches):
-                micro = micro.to(device)
-                sync = ddp.no_sync() if i < len(batch.micro_batches) - 1 else nullcontext()
-                with sync:
-                    with autocast():
-                        loss_sum = ddp(micro)
-                    scaled = loss_sum * inv_tokens
-                    scaler.scale(scaled).backward() if use_scaler else scaled.backward()
-                local_loss += loss_sum.detach().double()
-            if use_scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            local_loss_value = float(local_loss)  # waits for the device
-        local_tokens = {"image": 0, "video": 0, "text": 0}
-        local_samples = {"image": 0, "video": 0}
-        for micro in batch.micro_batches:
-            for name, count in micro.tokens.items():
-                local_tokens[name] += count
-        first_index = batch.global_specs[0].index
-        for sample_index in (i for mb in batch.plan.ranks[rank] for i in mb):
-            local_samples[batch.global_specs[sample_index - first_index].modality] += 1
-        runtime.count_tokens(**local_tokens, image_samples=local_samples["image"], video_samples=local_samples["video"])
-        runtime.add_loss(local_loss_value, local_tokens["text"])
+            local_loss_value = compute_step(ddp, optimizer, batch, device, scaler if use_scaler else None, autocast)
+        report_tokens(runtime, batch, rank, local_loss_value)
         for spec in batch.global_specs:
             modality_stats[f"{spec.modality}_tokens"] += spec.visual_tokens
             modality_stats[f"{spec.modality}_samples"] += 1
