@@ -101,3 +101,15 @@ def make_nodes(db):
         return list(Node.objects.order_by("name"))
 
     return make
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Say plainly how many tests the missing servers cost, so a skip is never silent."""
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if reason.startswith("needs "):
+            counts[reason] = counts.get(reason, 0) + 1
+    for reason, n in sorted(counts.items()):
+        terminalreporter.write_line(f"[omni tests] {n} test(s) SKIPPED: {reason}", yellow=True)

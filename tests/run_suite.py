@@ -3,7 +3,9 @@
 ``make test`` calls this. It uses ``DATABASE_URL``/``REDIS_URL`` when set, else PostgreSQL on
 127.0.0.1:5432 and Redis on 127.0.0.1:6379 when they answer, else the embedded mode, in which
 the tests that need the real servers are skipped with a printed reason and count. With
-``OMNI_REQUIRE_SERVICES=1`` a missing server is an error, never a skip.
+``OMNI_REQUIRE_SERVICES=1`` a missing server is an error, never a skip; with
+``OMNI_TEST_SERVICES=none`` the servers are ignored even when they answer (to check the
+embedded run on a machine that has them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def _answers(host: str, port: int) -> bool:
+    if os.environ.get("OMNI_TEST_SERVICES") == "none":
+        return False
     try:
         with socket.create_connection((host, port), timeout=1.0):
             return True
