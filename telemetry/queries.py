@@ -1,0 +1,409 @@
+"""Downsampled telemetry queries for the live pages and the planner.
+
+Every series function takes a time range and ``max_points`` and returns at most that many
+points per trace. It picks the cheapest data that still resolves the bucket width the range
+needs (docs/telemetry.md, "Queries"):
+
+* ``raw`` samples when the bucket is under a minute and the range at most ``RAW_MAX_SPAN_S``;
+* 1-minute rollups when the bucket is under an hour and the range lies within their retention;
+* 1-hour rollups otherwise.
+
+The part of the range newer than a rollup level's watermark (not rolled up yet) is read from
+the next finer level and merged, so a chart ending "now" is always fresh. Bucketing happens in
+the database; on PostgreSQL each trace comes back as one row of arrays.
+
+Results are plain dicts ready for JSON and Plotly: ``{"level", "bucket_s", "start", "end",
+"traces": {key: {"t": [...epoch seconds, bucket start], <metric>: [...], "samples": [...]}}}``.
+A bucket with no data is simply absent from a trace (gaps stay gaps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+from django.db import connection
+
+from telemetry.partitions import retention_for
+
+RAW_MAX_SPAN_S = 6 * 3600
+CLUSTER_RAW_MAX_SPAN_S = 15 * 60
+LEVEL_RESOLUTION_S = {"raw": 1, "minute": 60, "hour": 3600}
+FINER = {"hour": "minute", "minute": "raw"}
+
+# metric name -> (raw column, rollup mean column, rollup max column or None, how it combines)
+GPU_METRICS: dict[str, tuple[str, str, str]] = {
+    "util_pct": ("util_pct", "util_mean_pct", "mean"),
+    "util_max_pct": ("util_pct", "util_max_pct", "max"),
+    "mem_used_bytes": ("mem_used_bytes", "mem_mean_bytes", "mean"),
+    "power_w": ("power_w", "power_mean_w", "mean"),
+    "temp_c": ("temp_c", "temp_mean_c", "mean"),
+}
+STEP_METRICS: dict[str, tuple[str, str, str]] = {
+    "step": ("step", "step_max", "max"),
+    "step_s": ("step_s", "step_s_mean", "mean"),
+    "step_s_max": ("step_s", "step_s_max", "max"),
+    "data_wait_s": ("data_wait_s", "data_wait_s_mean", "mean"),
+    "compute_s": ("compute_s", "compute_s_mean", "mean"),
+    "comm_s": ("comm_s", "comm_s_mean", "mean"),
+    "loss": ("loss", "loss_mean", "mean"),
+}
+DEFAULT_GPU_METRICS = ("util_pct", "util_max_pct")
+DEFAULT_STEP_METRICS = ("step", "step_s", "step_s_max", "data_wait_s", "compute_s", "comm_s", "loss")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one level of one series lives."""
+
+    table: str
+    time_column: str
+    count_column: str | None  # rollups: rows stand for this many samples; raw: None (count(*))
+
+
+GPU_SOURCES = {
+    "raw": Source("telemetry_gpusample", "at", None),
+    "minute": Source("telemetry_gpuminute", "bucket", "samples"),
+    "hour": Source("telemetry_gpuhour", "bucket", "samples"),
+}
+STEP_SOURCES = {
+    "raw": Source("telemetry_steprecord", "at", None),
+    "minute": Source("telemetry_stepminute", "bucket", "records"),
+    "hour": Source("telemetry_stephour", "bucket", "records"),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The level and bucketing chosen for a range."""
+
+    level: str
+    bucket_s: int
+    origin_s: int  # epoch seconds of bin 0's start
+
+
+@dataclass
+class _Trace:
+    bins: np.ndarray
+    samples: np.ndarray
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _epoch(at: datetime) -> float:
+    if at.tzinfo is None:
+        raise ValueError("telemetry queries need timezone-aware datetimes")
+    return at.timestamp()
+
+
+def choose_plan(
+    start: datetime, end: datetime, max_points: int, *, now: datetime | None = None,
+    raw_max_span_s: int = RAW_MAX_SPAN_S,
+) -> Plan:
+    """Pick raw, minute or hour data and a bucket width so that [start, end) fits ``max_points``."""
+    if max_points < 1:
+        raise ValueError("max_points must be at least 1")
+    if end <= start:
+        raise ValueError("end must be after start")
+    now = now or datetime.now(UTC)
+    span_s = _epoch(end) - _epoch(start)
+    for level in ("raw", "minute", "hour"):
+        resolution = LEVEL_RESOLUTION_S[level]
+        keep = retention_for(level)
+        if keep is not None and start < now - keep:
+            continue
+        if level == "raw" and span_s > raw_max_span_s:
+            continue
+        origin_s = int(math.floor(_epoch(start) / resolution) * resolution)
+        bucket_s = max(1, math.ceil((_epoch(end) - origin_s) / max_points))
+        bucket_s = math.ceil(bucket_s / resolution) * resolution
+        if level == "raw" and bucket_s >= 60:
+            continue
+        if level == "minute" and bucket_s >= 3600:
+            continue
+        return Plan(level, bucket_s, origin_s)
+    origin_s = int(math.floor(_epoch(start) / 3600) * 3600)
+    bucket_s = math.ceil(math.ceil((_epoch(end) - origin_s) / max_points) / 3600) * 3600
+    return Plan("hour", bucket_s, origin_s)
+
+
+# -- SQL -------------------------------------------------------------------------------------
+
+
+def _postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def _f8(expr: str) -> str:
+    return f"CAST({expr} AS double precision)" if _postgres() else f"CAST({expr} AS REAL)"
+
+
+def _bin_expr(column: str) -> str:
+    if _postgres():
+        return f"floor((date_part('epoch', {column}) - %s) / %s)::bigint"
+    return f"((CAST(strftime('%%s', {column}) AS INTEGER) - %s) / %s)"
+
+
+def _param(at: datetime) -> Any:
+    return connection.ops.adapt_datetimefield_value(at)
+
+
+def _metric_sql(level: str, metrics: dict[str, tuple[str, str, str]], names: Sequence[str], count: str) -> list[str]:
+    exprs = []
+    for name in names:
+        raw_col, rollup_col, how = metrics[name]
+        if level == "raw":
+            exprs.append(f"max({_f8(raw_col)})" if how == "max" else f"avg({_f8(raw_col)})")
+        elif how == "max":
+            exprs.append(f"max({_f8(rollup_col)})")
+        else:
+            weight = f"CASE WHEN {rollup_col} IS NULL THEN 0 ELSE {count} END"
+            exprs.append(f"sum({_f8(rollup_col)} * {count}) / NULLIF(sum({weight}), 0)")
+    return exprs
+
+
+def _binned(
+    source: Source, level: str, plan: Plan, start: datetime, end: datetime,
+    key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
+    metrics: dict[str, tuple[str, str, str]], names: Sequence[str],
+) -> dict[tuple, _Trace]:
+    """Bucket [start, end) of one level's table; one _Trace per key."""
+    count = "count(*)" if source.count_column is None else f"sum({source.count_column})"
+    metric_sql = _metric_sql(level, metrics, names, source.count_column or "1")
+    selects = [*key_columns, f"{_bin_expr(source.time_column)} AS b", f"{count} AS n",
+               *(f"{expr} AS m{i}" for i, expr in enumerate(metric_sql))]
+    where = [f"{source.time_column} >= %s", f"{source.time_column} < %s"]
+    params: list[Any] = [plan.origin_s, plan.bucket_s, _param(start), _param(end)]
+    for column, values in filters:
+        values = list(values)
+        if not values:
+            return {}
+        where.append(f"{column} IN ({', '.join(['%s'] * len(values))})")
+        params.extend(values)
+    group = ", ".join([*key_columns, "b"])
+    inner = f"SELECT {', '.join(selects)} FROM {source.table} WHERE {' AND '.join(where)} GROUP BY {group}"
+    keys = len(key_columns)
+    result: dict[tuple, _Trace] = {}
+    with connection.cursor() as cursor:
+        if _postgres():
+            # One row of arrays per trace: far fewer rows for the driver and Python to touch.
+            arrays = ", ".join(
+                f"array_agg({column} ORDER BY b)" for column in ["b", "n", *(f"m{i}" for i in range(len(names)))]
+            )
+            key_sql = ", ".join(key_columns)
+            sql = f"SELECT {key_sql}{', ' if keys else ''}{arrays} FROM ({inner}) AS binned"
+            if keys:
+                sql += f" GROUP BY {key_sql}"
+            cursor.execute(sql, params)
+            rows = [(tuple(row[:keys]), row[keys:]) for row in cursor.fetchall() if row[keys] is not None]
+        else:
+            cursor.execute(f"{inner} ORDER BY {group}", params)
+            grouped: dict[tuple, list] = {}
+            for row in cursor.fetchall():
+                grouped.setdefault(tuple(row[:keys]), []).append(row[keys:])
+            rows = [(key, list(zip(*found, strict=True))) for key, found in grouped.items()]
+    for key, columns in rows:
+        result[key] = _Trace(
+            np.asarray(columns[0], dtype=np.int64),
+            np.asarray(columns[1], dtype=np.float64),
+            {name: np.asarray(columns[2 + i], dtype=np.float64) for i, name in enumerate(names)},
+        )
+    return result
+
+
+def _merge(head: _Trace, tail: _Trace, metrics: dict[str, tuple[str, str, str]]) -> _Trace:
+    """Combine two bucketings of the same bins (a rollup level and its fresher tail)."""
+    bins = np.concatenate([head.bins, tail.bins])
+    unique, inverse = np.unique(bins, return_inverse=True)
+    samples_all = np.concatenate([head.samples, tail.samples])
+    samples = np.bincount(inverse, weights=samples_all, minlength=len(unique))
+    values: dict[str, np.ndarray] = {}
+    for name in head.values:
+        joined = np.concatenate([head.values[name], tail.values[name]])
+        if metrics[name][2] == "max":
+            out = np.full(len(unique), -np.inf)
+            np.maximum.at(out, inverse, np.where(np.isnan(joined), -np.inf, joined))
+            out[np.isinf(out)] = np.nan
+        else:
+            present = ~np.isnan(joined)
+            weight = np.where(present, samples_all, 0.0)
+            total = np.bincount(inverse, weights=np.where(present, joined, 0.0) * weight, minlength=len(unique))
+            norm = np.bincount(inverse, weights=weight, minlength=len(unique))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out = np.where(norm > 0, total / np.where(norm > 0, norm, 1), np.nan)
+        values[name] = out
+    return _Trace(unique, samples, values)
+
+
+def _series(
+    sources: dict[str, Source], watermark_prefix: str, plan: Plan, start: datetime, end: datetime,
+    key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
+    metrics: dict[str, tuple[str, str, str]], names: Sequence[str],
+) -> dict[tuple, _Trace]:
+    """Read ``plan.level`` up to its watermark and finer levels after it, merged."""
+    from telemetry.models import RollupWatermark
+
+    marks = dict(
+        RollupWatermark.objects.filter(level__startswith=watermark_prefix).values_list("level", "rolled_until")
+    )
+    traces: dict[tuple, _Trace] = {}
+    level: str | None = plan.level
+    lower = start
+    while level is not None and lower < end:
+        if level == "raw":
+            upper = end
+        else:
+            mark = marks.get(f"{watermark_prefix}{level}")
+            upper = min(end, mark) if mark is not None else lower
+        if upper > lower:
+            part = _binned(sources[level], level, plan, lower, upper, key_columns, filters, metrics, names)
+            for key, trace in part.items():
+                traces[key] = _merge(traces[key], trace, metrics) if key in traces else trace
+            lower = upper
+        level = FINER.get(level)
+    return traces
+
+
+def _trace_dict(trace: _Trace, plan: Plan, names: Iterable[str]) -> dict[str, list]:
+    out: dict[str, list] = {
+        "t": (plan.origin_s + trace.bins * plan.bucket_s).astype(np.float64).tolist(),
+        "samples": trace.samples.astype(np.int64).tolist(),
+    }
+    for name in names:
+        values = trace.values[name]
+        out[name] = [None if math.isnan(v) else v for v in values.tolist()]
+    return out
+
+
+def _result(plan: Plan, start: datetime, end: datetime, traces: dict[str, dict]) -> dict[str, Any]:
+    return {
+        "level": plan.level,
+        "bucket_s": plan.bucket_s,
+        "start": start.isoformat(),
+        "end": end.isoformat(),
+        "traces": traces,
+    }
+
+
+# -- public API ------------------------------------------------------------------------------
+
+
+def gpu_utilisation_series(
+    *,
+    start: datetime,
+    end: datetime,
+    max_points: int = 1000,
+    node_ids: Sequence[int] | None = None,
+    gpus: Sequence[tuple[int, int]] | None = None,
+    job_id: int | None = None,
+    metrics: Sequence[str] = DEFAULT_GPU_METRICS,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """One trace per GPU, keyed ``"<node name>/<gpu index>"``, over [start, end).
+
+    Choose GPUs by ``node_ids`` (all their GPUs), explicit ``gpus`` ``(node_id, gpu_index)``
+    pairs, or ``job_id`` (the GPUs the job holds now). With none of them: every GPU that
+    reported. ``metrics`` are any of util_pct (mean), util_max_pct, mem_used_bytes, power_w,
+    temp_c. Each trace also has ``node``, ``node_name`` and ``gpu``.
+    """
+    from jobs.models import Allocation, Node
+
+    unknown = set(metrics) - set(GPU_METRICS)
+    if unknown:
+        raise ValueError(f"unknown GPU metrics: {sorted(unknown)}")
+    wanted: set[tuple[int, int]] | None = None
+    if job_id is not None:
+        wanted = set(Allocation.objects.filter(job_id=job_id).values_list("node_id", "gpu_index"))
+    elif gpus is not None:
+        wanted = {(int(n), int(g)) for n, g in gpus}
+    filters: list[tuple[str, Sequence[int]]] = []
+    if wanted is not None:
+        filters.append(("node_id", sorted({n for n, _ in wanted})))
+    elif node_ids is not None:
+        filters.append(("node_id", sorted(set(node_ids))))
+    plan = choose_plan(start, end, max_points, now=now)
+    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, ["node_id", "gpu_index"], filters, GPU_METRICS, metrics)
+    names = dict(Node.objects.filter(pk__in={k[0] for k in traces}).values_list("pk", "name"))
+    out: dict[str, dict] = {}
+    for (node_id, gpu_index), trace in sorted(traces.items(), key=lambda kv: (names.get(kv[0][0], ""), kv[0][1])):
+        if wanted is not None and (node_id, gpu_index) not in wanted:
+            continue
+        name = names.get(node_id, f"node-{node_id}")
+        out[f"{name}/{gpu_index}"] = {
+            "node": node_id, "node_name": name, "gpu": gpu_index, **_trace_dict(trace, plan, metrics)
+        }
+    return _result(plan, start, end, out)
+
+
+def cluster_utilisation(
+    *, start: datetime, end: datetime, max_points: int = 1000, now: datetime | None = None,
+) -> dict[str, Any]:
+    """One trace ``"cluster"``: mean and max utilisation over every GPU that reported, per bucket.
+
+    Raw samples are read only for short ranges (``CLUSTER_RAW_MAX_SPAN_S``): a whole cluster's
+    raw rows are many.
+    """
+    plan = choose_plan(start, end, max_points, now=now, raw_max_span_s=CLUSTER_RAW_MAX_SPAN_S)
+    names = ("util_pct", "util_max_pct")
+    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, [], [], GPU_METRICS, names)
+    out = {"cluster": _trace_dict(trace, plan, names) for trace in traces.values()}  # noqa: B035 - 0 or 1
+    return _result(plan, start, end, out)
+
+
+def step_series(
+    job_id: int, *, start: datetime, end: datetime, max_points: int = 1000,
+    metrics: Sequence[str] = DEFAULT_STEP_METRICS, now: datetime | None = None,
+) -> dict[str, Any]:
+    """One trace ``"job"`` of a job's step records over all ranks: latest step, mean and max
+    step time (the max shows stragglers), data-wait/compute/communication means, loss."""
+    unknown = set(metrics) - set(STEP_METRICS)
+    if unknown:
+        raise ValueError(f"unknown step metrics: {sorted(unknown)}")
+    plan = choose_plan(start, end, max_points, now=now)
+    traces = _series(STEP_SOURCES, "step-", plan, start, end, [], [("job_id", [job_id])], STEP_METRICS, metrics)
+    out = {"job": _trace_dict(trace, plan, metrics) for trace in traces.values()}  # noqa: B035 - 0 or 1
+    return _result(plan, start, end, out)
+
+
+def latest_gpu_samples(
+    *, node_ids: Sequence[int] | None = None, within_s: float = 120.0, now: datetime | None = None,
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """The newest raw sample of each GPU reported in the last ``within_s`` seconds, keyed
+    ``(node_id, gpu_index)`` (for the planner and page loads)."""
+    now = now or datetime.now(UTC)
+    since = _param(now - timedelta(seconds=within_s))
+    where = "at >= %s"
+    params: list[Any] = [since]
+    if node_ids is not None:
+        if not node_ids:
+            return {}
+        where += f" AND node_id IN ({', '.join(['%s'] * len(node_ids))})"
+        params.extend(node_ids)
+    sql = (
+        "SELECT s.node_id, s.gpu_index, s.at, s.util_pct, s.mem_used_bytes, s.power_w, s.temp_c, s.xid_errors "
+        "FROM telemetry_gpusample s JOIN ("
+        f"  SELECT node_id, gpu_index, max(at) AS at FROM telemetry_gpusample WHERE {where} GROUP BY node_id, gpu_index"
+        ") m ON s.node_id = m.node_id AND s.gpu_index = m.gpu_index AND s.at = m.at"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    convert = connection.ops.convert_datetimefield_value if not _postgres() else None
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for node_id, gpu_index, at, util, mem, power, temp, xid in rows:
+        if convert is not None:
+            at = _sqlite_datetime(at)
+        out[(node_id, gpu_index)] = {
+            "at": at, "util_pct": util, "mem_used_bytes": mem, "power_w": power, "temp_c": temp,
+            "xid_errors": xid,
+        }
+    return out
+
+
+def _sqlite_datetime(value: Any) -> datetime:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    return datetime.fromisoformat(str(value)).replace(tzinfo=UTC)
