@@ -28,9 +28,17 @@ if settings.EMBEDDED or settings.DEBUG:
 
     http_app = ASGIStaticFilesHandler(django_asgi_app)
 
-application = ProtocolTypeRouter(
-    {
-        "http": http_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-    }
-)
+from jobs.routing import agent_websocket_urlpatterns  # noqa: E402
+
+browser_ws_app = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
+agent_ws_app = URLRouter(agent_websocket_urlpatterns)
+
+
+async def websocket_app(scope, receive, send):
+    """Agents (no browser Origin, token auth in the consumer) and browsers take separate paths."""
+    if scope.get("path", "").startswith("/ws/agent/"):
+        return await agent_ws_app(scope, receive, send)
+    return await browser_ws_app(scope, receive, send)
+
+
+application = ProtocolTypeRouter({"http": http_app, "websocket": websocket_app})

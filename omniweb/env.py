@@ -128,3 +128,19 @@ def _redact(url: str) -> str:
         netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
         return parts._replace(netloc=netloc).geturl()
     return url
+
+
+def env_json_object(name: str) -> dict:
+    """A JSON object (``{}`` when unset); anything else stops start-up."""
+    import json
+
+    value = _raw(name)
+    if value is None:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise EnvError(f"{name}: not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise EnvError(f"{name}: expected a JSON object, got {type(parsed).__name__}")
+    return parsed

@@ -28,7 +28,21 @@ class PeriodicTask:
 # loop, idempotent and superseded by the next one, so a restart that resets them loses nothing;
 # ``expires_s`` keeps a backlog from piling up while workers are down. Add each new periodic
 # task to this list, nowhere else.
-PERIODIC_TASKS: list[PeriodicTask] = []
+def _control_loop_tasks() -> list[PeriodicTask]:
+    # The control loop (docs/control-loop.md); intervals come from settings so tests shorten them.
+    from django.conf import settings
+
+    planner_s = settings.OMNI_PLANNER_INTERVAL_S
+    monitor_s = min(1.0, settings.OMNI_HEARTBEAT_INTERVAL_S / 4.0)
+    sweep_s = min(2.0, settings.OMNI_COMMAND_ACK_TIMEOUT_S / 4.0)
+    return [
+        PeriodicTask("jobs.plan_tick", planner_s, Queue.PLANNER, expires_s=planner_s),
+        PeriodicTask("jobs.monitor_heartbeats", monitor_s, Queue.CONTROL, expires_s=max(1.0, monitor_s)),
+        PeriodicTask("jobs.sweep_commands", sweep_s, Queue.CONTROL, expires_s=max(1.0, sweep_s)),
+    ]
+
+
+PERIODIC_TASKS: list[PeriodicTask] = [*_control_loop_tasks()]
 
 
 def setup_periodic_tasks(app) -> None:

@@ -19,6 +19,7 @@ from omniweb.env import (
     env_bool,
     env_float,
     env_int,
+    env_json_object,
     env_list,
     env_str,
 )
@@ -60,6 +61,8 @@ try:
     OMNI_HEARTBEAT_MISSES = env_int("OMNI_HEARTBEAT_MISSES", 3, minimum=1)
     OMNI_COMMAND_ACK_TIMEOUT_S = env_float("OMNI_COMMAND_ACK_TIMEOUT_S", 15.0, minimum=0.1)
     OMNI_COMMAND_MAX_ATTEMPTS = env_int("OMNI_COMMAND_MAX_ATTEMPTS", 3, minimum=1)
+    # Planner knob overrides as JSON, e.g. {"startup_s": 2, "reclaim_margin_s": 2} (tests, demo).
+    OMNI_PLANNER_OVERRIDES = env_json_object("OMNI_PLANNER_OVERRIDES")
     # Run the periodic tasks in-process (embedded mode) instead of Celery beat.
     OMNI_INPROCESS_LOOP = env_bool("OMNI_INPROCESS_LOOP", default=REDIS_URL is None)
     # --- telemetry (docs/telemetry.md) -------------------------------------------------------

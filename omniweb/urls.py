@@ -5,11 +5,14 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 
+from jobs.agent_api import heartbeat_view
+
 urlpatterns = [
     path("", include("jobs.urls")),
     path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/", include("jobs.api.urls")),
+    path("agent/heartbeat/", heartbeat_view, name="agent-heartbeat"),  # agents' HTTP fallback
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("admin/", admin.site.urls),
 ]

@@ -1,0 +1,137 @@
+"""The server side of the agent protocol, shared by the WebSocket consumer and the HTTP fallback.
+
+``authenticate`` maps a bearer token to its node (tokens are stored hashed; a refused attempt is
+logged without the token). ``handle_frame`` applies one validated agent frame through the
+actions in ``jobs.actions`` and returns the frames to send back. ``heartbeat_view`` is the HTTP
+fallback for heartbeats, step records and worker exits when a socket cannot be held open.
+Protocol: ``trainer_agent.protocol`` and docs/control-loop.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from jobs import actions
+from jobs.models import Node
+from jobs.models.cluster import hash_agent_token
+from trainer_agent import protocol
+
+logger = logging.getLogger("jobs.agent")
+
+
+class AuthFailure(Exception):
+    """Why an agent was refused, with the WebSocket close code that says so."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def bearer_token(headers: dict[str, str]) -> str:
+    """The token from ``Authorization: Bearer ...`` (header names lower-case), or ``""``."""
+    value = headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def authenticate(token: str, claimed_node: str, peer: str) -> Node:
+    """The node this token belongs to; raises AuthFailure (and logs, never the token)."""
+    if not token:
+        logger.warning("agent refused: no token (peer %s, claimed node %r)", peer, claimed_node or "-")
+        raise AuthFailure(protocol.CLOSE_MISSING_TOKEN, "missing agent token: send 'Authorization: Bearer TOKEN'")
+    node = Node.objects.filter(agent_token_hash=hash_agent_token(token)).first()
+    if node is None or not node.token_matches(token):
+        logger.warning("agent refused: unknown token (peer %s, claimed node %r)", peer, claimed_node or "-")
+        raise AuthFailure(protocol.CLOSE_BAD_TOKEN, "agent token not recognised")
+    if claimed_node and claimed_node != node.name:
+        logger.warning("agent refused: token of %s presented as %r (peer %s)", node.name, claimed_node, peer)
+        raise AuthFailure(protocol.CLOSE_BAD_TOKEN, "agent token does not belong to the claimed node")
+    return node
+
+
+def error_frame(code: str, message: str, ref: Any = None) -> dict[str, Any]:
+    """An ``error`` frame: a machine-readable code, one human line, and what it refers to."""
+    return {"type": protocol.ERROR, "code": code, "message": message, "ref": ref}
+
+
+def _ingest(function_name: str, *args: Any) -> None:
+    # Telemetry is its own app (docs/telemetry.md); the control loop must keep working without it.
+    try:
+        from telemetry import ingest
+    except ImportError:
+        return
+    function = getattr(ingest, function_name, None)
+    if function is None:
+        return
+    try:
+        function(*args)
+    except Exception:
+        logger.exception("telemetry %s failed", function_name)
+
+
+def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
+    """Apply one validated agent frame; return the frames to answer with (maybe none)."""
+    kind = frame["type"]
+    if kind == protocol.HEARTBEAT:
+        workers = [w for w in frame.get("workers", []) if isinstance(w, dict)]
+        actions.record_heartbeat(node, workers)
+        samples = [g for g in frame.get("gpus", []) if isinstance(g, dict)]
+        if samples:
+            _ingest("ingest_gpu_samples", node.name, samples)
+        return []
+    if kind == protocol.ACK:
+        try:
+            actions.record_command_ack(node, frame["command"])
+        except actions.UnknownCommand as exc:
+            return [error_frame("unknown_command", str(exc), frame["command"])]
+        return []
+    if kind == protocol.DONE:
+        try:
+            actions.record_command_outcome(node, frame["command"], ok=frame["ok"], outcome=frame.get("outcome", {}))
+        except actions.UnknownCommand as exc:
+            return [error_frame("unknown_command", str(exc), frame["command"])]
+        return []
+    if kind == protocol.STEPS:
+        newest = actions.record_step_records(node, frame["job"], frame["records"])
+        if newest < 0:
+            return [error_frame("stale_records", f"job {frame['job']!r} is not running on {node.name}", frame["job"])]
+        _ingest("ingest_step_records", node.name, frame["job"], frame["records"])
+        return []
+    if kind == protocol.EXIT:
+        actions.record_worker_exit(node, frame["job"], frame["outcome"])
+        return []
+    return [error_frame("unexpected_type", f"{kind!r} is not accepted here", kind)]
+
+
+@csrf_exempt
+@require_POST
+def heartbeat_view(request: HttpRequest) -> JsonResponse:
+    """HTTP fallback: POST one heartbeat, steps or exit frame with the node's bearer token."""
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    try:
+        node = authenticate(bearer_token(headers), headers.get("x-omni-node", ""), request.META.get("REMOTE_ADDR", "?"))
+    except AuthFailure as exc:
+        status = 401 if exc.code == protocol.CLOSE_MISSING_TOKEN else 403
+        return JsonResponse(error_frame("unauthorized", str(exc)), status=status)
+    try:
+        frame = protocol.validate_agent_frame(protocol.parse_frame(request.body))
+    except protocol.ProtocolError as exc:
+        return JsonResponse(error_frame(exc.code, str(exc)), status=400)
+    if frame["type"] not in (protocol.HEARTBEAT, protocol.STEPS, protocol.EXIT):
+        return JsonResponse(error_frame("unexpected_type", "use the WebSocket for commands"), status=400)
+    replies = handle_frame(node, frame)
+    pending = node.commands.filter(state__in=actions.OPEN_COMMAND_STATES).count()
+    return JsonResponse({"ok": not replies, "replies": replies, "open_commands": pending})
+
+
+def parse_headers(scope_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """ASGI headers as a lower-case dict."""
+    return {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope_headers}
+
+
+__all__ = ["AuthFailure", "authenticate", "bearer_token", "handle_frame", "heartbeat_view"]

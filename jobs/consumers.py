@@ -1,0 +1,108 @@
+"""The agent endpoint: one WebSocket per node agent at ``/ws/agent/`` (docs/control-loop.md).
+
+The agent authenticates with its node's bearer token; a missing or wrong token gets the socket
+closed with 4401 / 4403 and a log line (never the token). After ``hello`` the server replays
+every unacknowledged command for the node, then streams new ones as ``dispatch_node_commands``
+sends them to the ``agent-{node id}`` group. Malformed frames and unknown command ids are
+answered with an ``error`` frame and change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from jobs import actions
+from jobs.agent_api import AuthFailure, authenticate, bearer_token, error_frame, handle_frame, parse_headers
+from jobs.models import Node
+from jobs.tasks import agent_group
+from trainer_agent import protocol
+
+logger = logging.getLogger("jobs.agent")
+
+# A peer that sends this many bad frames in a row is not a confused agent: close it.
+MAX_BAD_FRAMES = 20
+
+
+class AgentConsumer(AsyncWebsocketConsumer):
+    """One node agent's socket: auth, hello + replay, heartbeats, acks, outcomes, step records."""
+
+    node: Node | None = None
+    group: str | None = None
+    bad_frames = 0
+
+    async def connect(self) -> None:
+        headers = parse_headers(self.scope.get("headers", []))
+        client = self.scope.get("client") or ("?", 0)
+        peer = f"{client[0]}:{client[1]}"
+        await self.accept()
+        try:
+            self.node = await database_sync_to_async(authenticate)(
+                bearer_token(headers), headers.get("x-omni-node", ""), peer
+            )
+        except AuthFailure as exc:
+            await self.send_frame(error_frame("unauthorized", str(exc)))
+            await self.close(code=exc.code)
+            return
+        self.group = agent_group(self.node.id)
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        from django.conf import settings
+
+        await self.send_frame(
+            {
+                "type": protocol.WELCOME,
+                "protocol": protocol.PROTOCOL_VERSION,
+                "node": self.node.name,
+                "heartbeat_interval_s": settings.OMNI_HEARTBEAT_INTERVAL_S,
+            }
+        )
+        logger.info("agent of %s connected from %s", self.node.name, peer)
+
+    async def disconnect(self, code: int) -> None:
+        if self.group is not None:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+            logger.info("agent of %s disconnected (%s)", self.node.name if self.node else "?", code)
+
+    async def send_frame(self, frame: dict[str, Any]) -> None:
+        await self.send(text_data=protocol.dumps(frame))
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.node is None:
+            return
+        try:
+            frame = protocol.validate_agent_frame(protocol.parse_frame(text_data))
+        except protocol.ProtocolError as exc:
+            self.bad_frames += 1
+            logger.info("bad frame from %s: %s", self.node.name, exc)
+            await self.send_frame(error_frame(exc.code, str(exc)))
+            if self.bad_frames >= MAX_BAD_FRAMES:
+                await self.close(code=protocol.CLOSE_PROTOCOL_ERROR)
+            return
+        self.bad_frames = 0
+        if frame["type"] == protocol.HELLO:
+            await self.on_hello(frame)
+            return
+        replies = await database_sync_to_async(handle_frame)(self.node, frame)
+        for reply in replies:
+            await self.send_frame(reply)
+
+    async def on_hello(self, frame: dict[str, Any]) -> None:
+        """Fence workers for jobs no longer placed here, then replay every unacked command."""
+        workers = [w for w in frame.get("workers", []) if isinstance(w, dict)]
+        frames = await database_sync_to_async(self._hello_frames)(workers)
+        for item in frames:
+            await self.send_frame(item)
+
+    def _hello_frames(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        assert self.node is not None
+        actions.record_agent_hello(self.node, workers)
+        commands = actions.claim_commands_for_dispatch(self.node.id, include_sent=True)
+        return [actions.command_frame(c) for c in commands]
+
+    async def agent_commands(self, event: dict[str, Any]) -> None:
+        """Commands dispatched to this node's group (``jobs.tasks.dispatch_node_commands``)."""
+        for frame in event["frames"]:
+            await self.send_frame(frame)

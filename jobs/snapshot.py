@@ -1,0 +1,184 @@
+"""Rows <-> the pure planner's dataclasses: the one place the database is read for a planner pass.
+
+``load_snapshot`` turns nodes, live jobs with their allocations, reservations and in-flight
+commands into a ``jobs.planner.snapshot.Snapshot``; times become Unix epoch seconds, the
+planner's production clock. ``planner_config`` builds the knobs from ``PlannerControl`` plus
+``settings.OMNI_PLANNER_OVERRIDES``. See docs/control-loop.md.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from django.conf import settings
+
+from jobs.models import Allocation, Command, Job, Node, NodeState, PlannerControl, Reservation
+from jobs.models.commands import TERMINAL_COMMAND_STATES
+from jobs.models.jobs import TERMINAL_JOB_STATES
+from jobs.planner import snapshot as ps
+from jobs.planner.config import PlannerConfig
+
+
+def epoch_s(value: datetime | None) -> float | None:
+    """A timezone-aware datetime as Unix seconds (``None`` stays ``None``)."""
+    return value.timestamp() if value is not None else None
+
+
+def from_epoch_s(value: float | None) -> datetime | None:
+    """Unix seconds back to an aware UTC datetime."""
+    return datetime.fromtimestamp(value, tz=UTC) if value is not None else None
+
+
+def planner_config(control: PlannerControl | None = None) -> PlannerConfig:
+    """The planner's knobs: operator controls, the heartbeat timeout, and any env overrides."""
+    control = control or PlannerControl.load()
+    config = PlannerConfig(
+        safety_factor=control.safety_factor,
+        min_run_s=float(control.min_run_s),
+        reclaim_grace_s=float(control.reclaim_grace_s),
+        heartbeat_timeout_s=settings.OMNI_HEARTBEAT_INTERVAL_S * settings.OMNI_HEARTBEAT_MISSES,
+    )
+    overrides = getattr(settings, "OMNI_PLANNER_OVERRIDES", None) or {}
+    return config.with_overrides(overrides) if overrides else config
+
+
+def _node_row(node: Node) -> ps.Node:
+    return ps.Node(
+        name=node.name,
+        rack=node.rack,
+        switch=node.switch,
+        gpus=node.gpu_count,
+        health=node.state,
+        speed_factor=node.speed_factor,
+    )
+
+
+def _job_row(job: Job, holdings: tuple[ps.Holding, ...]) -> ps.Job:
+    save_s = job.measured_save_s if job.measured_save_s is not None else job.checkpoint_save_s
+    load_s = job.measured_load_s if job.measured_load_s is not None else job.checkpoint_load_s
+    waiting = job.state in ps.WAITING_PHASES or job.state == "recovering"
+    return ps.Job(
+        name=job.name,
+        priority=job.priority,
+        tp=job.tp,
+        pp=job.pp,
+        dp=job.dp,
+        dp_min=job.dp_min,
+        dp_max=job.dp_max,
+        global_batch=job.global_batch,
+        micro_batch=job.micro_batch,
+        total_steps=job.total_steps,
+        step_s=job.step_s,
+        comm_fraction=job.comm_fraction,
+        checkpoint=ps.CheckpointSpec(job.checkpoint_every_steps, float(save_s), float(load_s)),
+        min_run_s=float(job.min_run_s),
+        submit_s=job.submitted_at.timestamp(),
+        owner=job.owner.get_username(),
+        phase=job.state,
+        committed_steps=job.committed_steps,
+        last_checkpoint_step=job.last_checkpoint_step,
+        last_checkpoint_s=epoch_s(job.last_checkpoint_at),
+        run_started_s=epoch_s(job.started_at) if job.state not in ps.WAITING_PHASES else None,
+        last_resize_s=epoch_s(job.last_resized_at),
+        queued_since_s=job.state_changed_at.timestamp() if waiting else None,
+        holdings=holdings,
+        preemptions=job.preemptions,
+    )
+
+
+def reservation_pools(reservations: list[Reservation], nodes: list[Node]) -> dict[str, tuple[str, ...]]:
+    """Which machines hold each reservation's ``gpus + spares``.
+
+    The database does not pin reservations to machines, so the pool is derived the same way on
+    every pass: the owner's current nodes first, then healthy nodes in topology order (rack,
+    switch, name) that no earlier reservation took, until the pool is big enough. Stable as
+    long as the cluster is, which is what the planner's harvesting needs.
+    """
+    taken: set[str] = set()
+    pools: dict[str, tuple[str, ...]] = {}
+    usable = [n for n in nodes if n.state not in (NodeState.FAILED,)]
+    owner_nodes: dict[int, list[str]] = {}
+    for alloc in Allocation.objects.filter(job__in=[r.job_id for r in reservations]).select_related("node"):
+        owner_nodes.setdefault(alloc.job_id, [])
+        if alloc.node.name not in owner_nodes[alloc.job_id]:
+            owner_nodes[alloc.job_id].append(alloc.node.name)
+    by_name = {n.name: n for n in usable}
+    for res in reservations:
+        want = res.gpus + res.spares
+        pool: list[str] = []
+        size = 0
+        candidates = owner_nodes.get(res.job_id, []) + [n.name for n in usable]
+        for name in candidates:
+            if size >= want:
+                break
+            if name in taken or name in pool or name not in by_name:
+                continue
+            pool.append(name)
+            size += by_name[name].gpu_count
+        taken.update(pool)
+        pools[res.name] = tuple(pool)
+    return pools
+
+
+def load_snapshot(now: datetime) -> ps.Snapshot:
+    """Read the cluster into a planner snapshot (call inside the pass's transaction)."""
+    control = PlannerControl.load()
+    nodes = list(Node.objects.order_by("rack", "switch", "name"))
+    jobs = list(
+        Job.objects.exclude(state__in=TERMINAL_JOB_STATES).select_related("owner").order_by("submitted_at", "id")
+    )
+    holdings: dict[int, list[ps.Holding]] = {job.id: [] for job in jobs}
+    allocations = (
+        Allocation.objects.filter(job__in=jobs)
+        .select_related("node", "borrowed_from")
+        .order_by("job_id", "node__rack", "node__switch", "node__name", "gpu_index")
+    )
+    for alloc in allocations:
+        holdings[alloc.job_id].append(
+            ps.Holding(ps.Gpu(alloc.node.name, alloc.gpu_index), alloc.borrowed_from.name if alloc.borrowed_from else None)
+        )
+    reservations = [
+        r
+        for r in Reservation.objects.filter(cancelled_at__isnull=True).select_related("job").order_by("start_at", "id")
+        if (r.end_at is None or r.end_at > now) and not r.job.is_terminal
+    ]
+    pools = reservation_pools(reservations, nodes)
+    commands = (
+        Command.objects.exclude(state__in=TERMINAL_COMMAND_STATES)
+        .filter(job__isnull=False)
+        .select_related("job")
+        .order_by("created_at")
+    )
+    return ps.Snapshot(
+        nodes=tuple(_node_row(n) for n in nodes),
+        jobs=tuple(_job_row(j, tuple(holdings[j.id])) for j in jobs),
+        reservations=tuple(
+            ps.Reservation(
+                name=r.name,
+                job=r.job.name,
+                gpus=r.gpus,
+                spares=r.spares,
+                start_s=r.start_at.timestamp(),
+                end_s=epoch_s(r.end_at),
+                period_s=float(r.period_s) if r.period_s else None,
+                active_s=float(r.active_s) if r.active_s else None,
+                nodes=pools.get(r.name, ()),
+            )
+            for r in reservations
+        ),
+        commands=tuple(
+            ps.Command(id=str(c.id), job=c.job.name, kind=c.kind, deadline_s=epoch_s(c.deadline_at)) for c in commands
+        ),
+        paused=control.paused,
+    )
+
+
+def snapshot_summary(snapshot: ps.Snapshot) -> dict[str, Any]:
+    """A few counts for the PlannerRun row."""
+    return {
+        "nodes": len(snapshot.nodes),
+        "jobs": len(snapshot.jobs),
+        "reservations": len(snapshot.reservations),
+        "commands_in_flight": len(snapshot.commands),
+    }
