@@ -71,7 +71,7 @@ try:
     # 0 keeps hourly rollups forever.
     OMNI_TELEMETRY_HOUR_RETENTION_D = env_int("OMNI_TELEMETRY_HOUR_RETENTION_D", 0, minimum=0)
     OMNI_TELEMETRY_PARTITIONS_AHEAD_D = env_int("OMNI_TELEMETRY_PARTITIONS_AHEAD_D", 3, minimum=1)
-    OMNI_TELEMETRY_MAX_BATCH = env_int("OMNI_TELEMETRY_MAX_BATCH", 20000, minimum=1)
+    OMNI_TELEMETRY_MAX_BATCH = env_int("OMNI_TELEMETRY_MAX_BATCH", 10000, minimum=1)
     OMNI_TELEMETRY_MAX_FUTURE_S = env_float("OMNI_TELEMETRY_MAX_FUTURE_S", 300.0, minimum=0.0)
     # Telemetry commits skip the WAL flush wait: a database crash may lose the last ~0.6 s of
     # samples, never consistency. Set to 0 to wait for every flush.
