@@ -1,0 +1,43 @@
+"""Planner knobs, with the defaults the scenario format documents.
+
+``reclaim_mode`` is what separates the project's policy from the ``kill_preempt`` baseline:
+``graceful`` reclaims a loan ahead of need so the borrower has saved by then; ``kill`` lends
+the same way but takes GPUs back at the moment of need by killing the borrower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """Every tunable the planner reads; frozen so a pass cannot change it."""
+
+    safety_factor: float = 1.5
+    min_run_s: float = 7200.0
+    reclaim_grace_s: float = 60.0
+    heartbeat_timeout_s: float = 30.0
+    #: Added to every reclaim lead time on top of save x safety_factor.
+    reclaim_margin_s: float = 30.0
+    #: Process start-up allowance before a (re)started job loads its checkpoint.
+    startup_s: float = 30.0
+    #: A loan is only made into a window fitting start-up + load + this many steps + save.
+    min_loan_steps: int = 20
+    #: A job is not resized again within this many seconds unless forced.
+    resize_hysteresis_s: float = 1800.0
+    #: Growing must save at least this multiple of its save+load cost over the remaining run.
+    grow_gain_factor: float = 2.0
+    #: A node is a straggler when its speed factor is at least this.
+    straggler_factor: float = 1.2
+    #: Migration must save at least this multiple of its cost.
+    migrate_gain_factor: float = 2.0
+    #: Waiting this long raises a job's queue standing by one class step (rule 8).
+    ageing_s: float = 7200.0
+    #: ``graceful`` (omni) or ``kill`` (the kill_preempt baseline).
+    reclaim_mode: str = "graceful"
+
+    def with_overrides(self, overrides: dict[str, Any]) -> PlannerConfig:
+        """A copy with scenario ``policy`` keys applied."""
+        return replace(self, **overrides)

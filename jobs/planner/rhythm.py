@@ -1,0 +1,130 @@
+"""Rule 1, rhythm prediction: what a job's steps, saves and loads will cost.
+
+In steady state a job's step time is very regular, so the planner keeps the last
+``RHYTHM_WINDOW`` (200) measured step times and plans with ``mean * safety_factor``. Save
+and load costs come from measured history when there is one and from the job's declared
+checkpoint spec otherwise. Idle phases are known from the spec and the committed step count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jobs.planner.config import PlannerConfig
+from jobs.planner.snapshot import RHYTHM_WINDOW, Job
+
+
+@dataclass(frozen=True, slots=True)
+class RhythmPrediction:
+    """Planning figures for one job at its current size (seconds)."""
+
+    mean_step_s: float
+    stdev_step_s: float
+    step_s: float
+    save_s: float
+    load_s: float
+    samples: int
+
+
+def ring_push(ring: tuple[float, ...], value: float, window: int = RHYTHM_WINDOW) -> tuple[float, ...]:
+    """The ring with ``value`` appended, keeping only the last ``window`` entries."""
+    ring = ring + (value,)
+    return ring[-window:] if len(ring) > window else ring
+
+
+def mean_stdev(values: tuple[float, ...]) -> tuple[float, float]:
+    """Mean and population standard deviation (0, 0 for no values)."""
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0
+    mu = sum(values) / n
+    var = sum((v - mu) * (v - mu) for v in values) / n
+    return mu, math.sqrt(var)
+
+
+def step_time_at(job: Job, dp: int, base_step_s: float | None = None, base_dp: int | None = None) -> float:
+    """Step time at ``dp`` replicas from a step time measured at ``base_dp`` (FORMAT.md model).
+
+    ``step(d) = step_s * (comm_fraction + (1 - comm_fraction) * dp_ref / d)``.
+    """
+    base = job.step_s if base_step_s is None else base_step_s
+    ref = job.dp if base_dp is None else base_dp
+    cf = job.comm_fraction
+    nominal_ref = cf + (1.0 - cf) * job.dp / ref
+    nominal_d = cf + (1.0 - cf) * job.dp / max(1, dp)
+    return base * nominal_d / nominal_ref
+
+
+_CACHE: dict[int, tuple[Job, PlannerConfig, RhythmPrediction]] = {}
+
+
+def predict(job: Job, config: PlannerConfig) -> RhythmPrediction:
+    """Predicted step/save/load seconds for ``job`` at its current DP.
+
+    Measured step times are used when there are any (they were measured at the current DP);
+    otherwise the spec's ``step_s`` scaled to the current DP. Planning step = mean x safety.
+    Memoised on the identity of the (immutable) job and config objects.
+    """
+    hit = _CACHE.get(id(job))
+    if hit is not None and hit[0] is job and hit[1] is config:
+        return hit[2]
+    if len(_CACHE) > 50_000:
+        _CACHE.clear()
+    result = _predict(job, config)
+    _CACHE[id(job)] = (job, config, result)
+    return result
+
+
+def _predict(job: Job, config: PlannerConfig) -> RhythmPrediction:
+    mu, sigma = mean_stdev(job.rhythm.step_s[-RHYTHM_WINDOW:])
+    if mu <= 0.0:
+        mu = step_time_at(job, job.current_dp or job.dp)
+        sigma = 0.0
+    save_hist = job.rhythm.save_s[-20:]
+    load_hist = job.rhythm.load_s[-20:]
+    save_s = max(save_hist) if save_hist else job.checkpoint.save_s
+    load_s = max(load_hist) if load_hist else job.checkpoint.load_s
+    return RhythmPrediction(
+        mean_step_s=mu,
+        stdev_step_s=sigma,
+        step_s=mu * config.safety_factor,
+        save_s=save_s,
+        load_s=load_s,
+        samples=len(job.rhythm.step_s),
+    )
+
+
+def next_idle_phase(job: Job) -> tuple[int, float] | None:
+    """The next idle phase as (step it starts after, duration_s), or None.
+
+    An idle phase with ``every_steps = N`` starts after every N-th committed step.
+    """
+    best: tuple[int, float] | None = None
+    for phase in job.idle_phases:
+        at = (job.committed_steps // phase.every_steps + 1) * phase.every_steps
+        if at > job.total_steps:
+            continue
+        if best is None or at < best[0]:
+            best = (at, phase.duration_s)
+    return best
+
+
+def reclaim_lead_time(job: Job, config: PlannerConfig, prediction: RhythmPrediction | None = None) -> float:
+    """Seconds before need a borrower must be told to give GPUs back.
+
+    One predicted step to finish the step in flight, plus predicted save x safety factor,
+    plus the configured margin.
+    """
+    p = prediction or predict(job, config)
+    return p.step_s + p.save_s * config.safety_factor + config.reclaim_margin_s
+
+
+def min_loan_window_s(job: Job, dp: int, config: PlannerConfig) -> float:
+    """The shortest window worth lending into for ``job`` at ``dp`` replicas.
+
+    Start-up + checkpoint load + ``min_loan_steps`` predicted steps + the reclaim lead time.
+    """
+    p = predict(job, config)
+    step = step_time_at(job, dp) * config.safety_factor
+    return config.startup_s + p.load_s + config.min_loan_steps * step + reclaim_lead_time(job, config, p)

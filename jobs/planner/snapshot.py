@@ -1,0 +1,284 @@
+"""The planner's input: a frozen, plain-data picture of the cluster at one instant.
+
+Everything here is an immutable dataclass (or, for the two tiny hot types ``Gpu`` and
+``Holding``, a ``NamedTuple``) with no Django in sight, so the same snapshot can be built
+from database rows in production and from the simulator's state in ``jobs.simulator``.
+``to_dict`` / ``from_dict`` round-trip every type through JSON-able dicts.
+
+Times are float seconds on one clock: scenario seconds in the simulator, Unix epoch seconds
+in production. Nothing here assumes the clock starts at zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
+
+PRIORITIES = ("critical", "regular", "best_effort")
+#: Lower rank = more important. Used for ordering queues and choosing victims.
+PRIORITY_RANK = {"critical": 0, "regular": 1, "best_effort": 2}
+
+NODE_HEALTH = ("healthy", "suspect", "failed", "cordoned", "draining")
+#: Health values on which new work may be placed.
+PLACEABLE_HEALTH = frozenset({"healthy", "suspect"})
+
+#: The Django Job state machine's values, shared so a snapshot maps 1:1 from rows.
+JOB_PHASES = (
+    "pending",
+    "running",
+    "checkpointing",
+    "preempted",
+    "resizing",
+    "recovering",
+    "completed",
+    "failed",
+    "cancelled",
+)
+TERMINAL_PHASES = frozenset({"completed", "failed", "cancelled"})
+#: Phases in which a job waits for GPUs and holds none (``recovering`` may hold survivors).
+WAITING_PHASES = frozenset({"pending", "preempted"})
+
+RHYTHM_WINDOW = 200
+
+
+class Gpu(NamedTuple):
+    """One GPU, addressed by its node name and its index on that node."""
+
+    node: str
+    index: int
+
+    def label(self) -> str:
+        """``node:index``, the form used in audit records."""
+        return f"{self.node}:{self.index}"
+
+
+class Holding(NamedTuple):
+    """One GPU a job holds; ``borrowed_from`` names the reservation it is lent from, if any."""
+
+    gpu: Gpu
+    borrowed_from: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A machine: its place in the topology, its GPU count, its health and measured speed.
+
+    ``speed_factor`` is how much slower than nominal its steps run (1.0 nominal, 1.5 means
+    steps take 1.5x as long); production derives it from per-rank step times.
+    """
+
+    name: str
+    rack: str
+    switch: str
+    gpus: int
+    health: str = "healthy"
+    speed_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSpec:
+    """How often a job checkpoints and what a save and a load cost, as declared."""
+
+    every_steps: int = 500
+    save_s: float = 30.0
+    load_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class IdlePhase:
+    """After every ``every_steps`` committed steps the job spends ``duration_s`` off its GPUs."""
+
+    every_steps: int
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rhythm:
+    """What has been measured about a job: recent step times and save/load durations.
+
+    ``step_s`` is a ring of at most ``RHYTHM_WINDOW`` recent step times measured at the job's
+    current data-parallel size; ``save_s``/``load_s`` are recent measured checkpoint costs.
+    """
+
+    step_s: tuple[float, ...] = ()
+    save_s: tuple[float, ...] = ()
+    load_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A training job: its spec, its layout and progress now, and its measured rhythm.
+
+    The current data-parallel size is ``len(holdings) // (tp * pp)``; ``holdings`` lists the
+    GPUs it holds now (in replica order: each run of ``tp`` GPUs is one TP group, each run of
+    ``tp * pp`` one replica).
+    """
+
+    name: str
+    priority: str
+    tp: int
+    pp: int
+    dp: int
+    dp_min: int
+    dp_max: int
+    global_batch: int
+    micro_batch: int
+    total_steps: int
+    step_s: float
+    comm_fraction: float = 0.1
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    idle_phases: tuple[IdlePhase, ...] = ()
+    min_run_s: float = 0.0
+    submit_s: float = 0.0
+    owner: str = "anon"
+    phase: str = "pending"
+    committed_steps: int = 0
+    last_checkpoint_step: int = 0
+    last_checkpoint_s: float | None = None
+    run_started_s: float | None = None
+    last_resize_s: float | None = None
+    queued_since_s: float | None = None
+    holdings: tuple[Holding, ...] = ()
+    rhythm: Rhythm = field(default_factory=Rhythm)
+    preemptions: int = 0
+
+    @property
+    def replica_gpus(self) -> int:
+        """GPUs in one data-parallel replica (``tp * pp``)."""
+        return self.tp * self.pp
+
+    @property
+    def current_dp(self) -> int:
+        """Replicas held now."""
+        return len(self.holdings) // (self.tp * self.pp)
+
+    @property
+    def gpus(self) -> tuple[Gpu, ...]:
+        """The GPUs held now, in replica order."""
+        return tuple(h.gpu for h in self.holdings)
+
+    @property
+    def remaining_steps(self) -> int:
+        """Steps still to commit."""
+        return max(0, self.total_steps - self.committed_steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Guaranteed capacity for one critical job.
+
+    Active from ``start_s`` to ``end_s`` (``None``: open-ended); if ``period_s`` is set, only
+    for the first ``active_s`` of every ``period_s`` from ``start_s``. ``nodes`` is the pool
+    of machines that holds its ``gpus`` plus ``spares`` (chosen by the operator, or by the
+    simulator's loader); an empty pool means the guarantee is met from general capacity.
+    """
+
+    name: str
+    job: str
+    gpus: int
+    spares: int = 0
+    start_s: float = 0.0
+    end_s: float | None = None
+    period_s: float | None = None
+    active_s: float | None = None
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A command already sent to a job's agent and not yet acknowledged as done."""
+
+    id: str
+    job: str
+    kind: str
+    deadline_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The whole picture one planner pass decides from."""
+
+    nodes: tuple[Node, ...]
+    jobs: tuple[Job, ...]
+    reservations: tuple[Reservation, ...] = ()
+    commands: tuple[Command, ...] = ()
+    paused: bool = False
+
+
+# --- serialization ---------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Gpu):
+        return [value.node, value.index]
+    if isinstance(value, Holding):
+        return {"gpu": [value.gpu.node, value.gpu.index], "borrowed_from": value.borrowed_from}
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def to_dict(obj: Any) -> Any:
+    """A JSON-able rendering of any snapshot or plan object (dataclasses become dicts)."""
+    return _plain(obj)
+
+
+def gpu_from(value: Any) -> Gpu:
+    """A ``Gpu`` from ``[node, index]``, ``{"node":..,"index":..}`` or ``"node:index"``."""
+    if isinstance(value, Gpu):
+        return value
+    if isinstance(value, str):
+        node, _, index = value.rpartition(":")
+        return Gpu(node, int(index))
+    if isinstance(value, dict):
+        return Gpu(value["node"], int(value["index"]))
+    return Gpu(str(value[0]), int(value[1]))
+
+
+def holding_from(value: Any) -> Holding:
+    """A ``Holding`` from its dict form (or a bare GPU form, meaning not borrowed)."""
+    if isinstance(value, Holding):
+        return value
+    if isinstance(value, dict) and "gpu" in value:
+        return Holding(gpu_from(value["gpu"]), value.get("borrowed_from"))
+    return Holding(gpu_from(value), None)
+
+
+def node_from_dict(d: dict[str, Any]) -> Node:
+    """Build a ``Node`` from its ``to_dict`` form."""
+    return Node(**d)
+
+
+def job_from_dict(d: dict[str, Any]) -> Job:
+    """Build a ``Job`` from its ``to_dict`` form."""
+    d = dict(d)
+    if isinstance(d.get("checkpoint"), dict):
+        d["checkpoint"] = CheckpointSpec(**d["checkpoint"])
+    d["idle_phases"] = tuple(
+        p if isinstance(p, IdlePhase) else IdlePhase(**p) for p in d.get("idle_phases", ())
+    )
+    d["holdings"] = tuple(holding_from(h) for h in d.get("holdings", ()))
+    rhythm = d.get("rhythm")
+    if isinstance(rhythm, dict):
+        d["rhythm"] = Rhythm(**{k: tuple(v) for k, v in rhythm.items()})
+    return Job(**d)
+
+
+def reservation_from_dict(d: dict[str, Any]) -> Reservation:
+    """Build a ``Reservation`` from its ``to_dict`` form."""
+    d = dict(d)
+    d["nodes"] = tuple(d.get("nodes", ()))
+    return Reservation(**d)
+
+
+def snapshot_from_dict(d: dict[str, Any]) -> Snapshot:
+    """Build a ``Snapshot`` from its ``to_dict`` form."""
+    return Snapshot(
+        nodes=tuple(node_from_dict(n) for n in d["nodes"]),
+        jobs=tuple(job_from_dict(j) for j in d["jobs"]),
+        reservations=tuple(reservation_from_dict(r) for r in d.get("reservations", ())),
+        commands=tuple(Command(**c) for c in d.get("commands", ())),
+        paused=bool(d.get("paused", False)),
+    )

@@ -1,0 +1,52 @@
+"""Rule 8, no starvation: ``min_run_s`` protection and ageing of long waiters.
+
+Once started, a job is not preempted before its ``min_run_s`` of continuous run (regular jobs
+default to the policy's 2 hours) except to honour a reservation, a fault or a drain. Every
+``ageing_s`` a non-critical job waits raises its queue standing by one class step (never above
+regular, never ahead of critical work), and a regular job that has waited ``ageing_s`` may
+take GPUs from regular jobs that have already had their ``min_run_s`` — so nobody is preempted
+over and over without progress, and nobody waits forever behind a stream of newcomers.
+"""
+
+from __future__ import annotations
+
+from jobs.planner.config import PlannerConfig
+from jobs.planner.snapshot import PRIORITY_RANK, Job
+
+
+def waited_s(job: Job, now_s: float) -> float:
+    """How long the job has been waiting for GPUs now (0 if it holds some)."""
+    since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
+    return max(0.0, now_s - since)
+
+
+def is_aged(job: Job, now_s: float, config: PlannerConfig) -> bool:
+    """Whether the job has waited at least ``ageing_s``."""
+    return not job.holdings and waited_s(job, now_s) >= config.ageing_s
+
+
+def effective_rank(job: Job, now_s: float, config: PlannerConfig) -> int:
+    """Queue standing: the class rank lowered by one per ``ageing_s`` waited (floor: regular)."""
+    base = PRIORITY_RANK[job.priority]
+    if base == 0 or config.ageing_s <= 0:
+        return base
+    steps = int(waited_s(job, now_s) // config.ageing_s)
+    return max(1, base - steps)
+
+
+def run_s(job: Job, now_s: float) -> float:
+    """Continuous run so far (0 if not running)."""
+    if job.run_started_s is None or not job.holdings:
+        return 0.0
+    return max(0.0, now_s - job.run_started_s)
+
+
+def protected_by_min_run(job: Job, now_s: float) -> bool:
+    """Whether ``min_run_s`` still protects the job from a non-forced preemption."""
+    return job.min_run_s > 0 and job.run_started_s is not None and run_s(job, now_s) < job.min_run_s
+
+
+def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple:
+    """Sort key for waiting jobs: tier (entitled, recovering...), aged class, wait, name."""
+    since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
+    return (tier, effective_rank(job, now_s, config), since, job.name)

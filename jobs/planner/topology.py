@@ -1,0 +1,237 @@
+"""Rule 6, placement by topology, and the mutable view of free GPUs one pass works on.
+
+A job's replicas are packed onto the fewest switches, then the fewest racks: if one switch
+can hold the whole request the tightest such switch is used (keeping big holes whole for big
+jobs), else one rack, else the roomiest racks first. A TP group (``tp`` GPUs) always sits on
+one node; a replica is ``pp`` consecutive TP groups. ``anchor`` nodes (a job's survivors or
+previous nodes) pull the choice toward them: nearest in topology first.
+
+Topology distance: same node 0, same switch 1, same rack 2, otherwise 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from jobs.planner.snapshot import PLACEABLE_HEALTH, Gpu, Node, Snapshot
+
+
+def topology_distance(a: Node, b: Node) -> int:
+    """0 same node, 1 same switch, 2 same rack, 3 otherwise."""
+    if a.name == b.name:
+        return 0
+    if a.rack == b.rack and a.switch == b.switch:
+        return 1
+    if a.rack == b.rack:
+        return 2
+    return 3
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """How widely a set of GPUs is spread: the placement score reported in reasons."""
+
+    nodes: int
+    switches: int
+    racks: int
+
+    def as_inputs(self) -> dict[str, int]:
+        """The spread as reason inputs."""
+        return {"spread_nodes": self.nodes, "spread_switches": self.switches, "spread_racks": self.racks}
+
+    def describe(self) -> str:
+        """e.g. ``4 nodes under 1 switch in 1 rack``."""
+        def plural(n: int, word: str) -> str:
+            return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('ch') else 's'}"
+
+        return f"{plural(self.nodes, 'node')} under {plural(self.switches, 'switch')} in {plural(self.racks, 'rack')}"
+
+
+def spread_of(gpus: Iterable[Gpu], nodes: Mapping[str, Node]) -> Spread:
+    """The spread of ``gpus`` over nodes, switches and racks."""
+    names = {g.node for g in gpus}
+    switches = {(nodes[n].rack, nodes[n].switch) for n in names}
+    racks = {nodes[n].rack for n in names}
+    return Spread(len(names), len(switches), len(racks))
+
+
+class ClusterView:
+    """Who holds which GPU and which GPUs are free, updated as a pass makes decisions.
+
+    Free GPUs are indexed by *zone*: ``None`` for general capacity, a reservation name for
+    GPUs in that reservation's pool. Only nodes whose health allows placement have free GPUs.
+    """
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.nodes: dict[str, Node] = {n.name: n for n in snapshot.nodes}
+        self.zone_of_node: dict[str, str | None] = {n: None for n in self.nodes}
+        for res in sorted(snapshot.reservations, key=lambda r: r.name):
+            for node in res.nodes:
+                if node in self.zone_of_node and self.zone_of_node[node] is None:
+                    self.zone_of_node[node] = res.name
+        self.owner: dict[Gpu, str] = {}
+        for job in snapshot.jobs:
+            for h in job.holdings:
+                self.owner[h.gpu] = job.name
+        self.free: dict[str | None, dict[str, list[int]]] = {}
+        self.zone_total: dict[str | None, int] = {}
+        for name in sorted(self.nodes):
+            node = self.nodes[name]
+            if node.health not in PLACEABLE_HEALTH:
+                continue
+            idx = [i for i in range(node.gpus) if Gpu(name, i) not in self.owner]
+            if idx:
+                zone = self.zone_of_node[name]
+                self.free.setdefault(zone, {})[name] = idx
+                self.zone_total[zone] = self.zone_total.get(zone, 0) + len(idx)
+
+    def zone(self, gpu: Gpu) -> str | None:
+        """The zone (reservation pool name or None) a GPU belongs to."""
+        return self.zone_of_node.get(gpu.node)
+
+    def free_count(self, zone: str | None) -> int:
+        """Free GPUs in a zone."""
+        return self.zone_total.get(zone, 0)
+
+    def take(self, job: str, gpus: Iterable[Gpu]) -> None:
+        """Mark ``gpus`` as held by ``job``."""
+        for g in gpus:
+            self.owner[g] = job
+            zone_free = self.free.get(self.zone_of_node[g.node])
+            if zone_free is None or g.node not in zone_free:
+                continue
+            lst = zone_free[g.node]
+            if g.index in lst:
+                lst.remove(g.index)
+                zone = self.zone_of_node[g.node]
+                self.zone_total[zone] = self.zone_total.get(zone, 0) - 1
+            if not lst:
+                del zone_free[g.node]
+
+    def release(self, gpus: Iterable[Gpu]) -> None:
+        """Mark ``gpus`` as free again (only those on placeable nodes become placeable)."""
+        for g in gpus:
+            self.owner.pop(g, None)
+            node = self.nodes.get(g.node)
+            if node is None or node.health not in PLACEABLE_HEALTH:
+                continue
+            zone = self.zone_of_node[g.node]
+            lst = self.free.setdefault(zone, {}).setdefault(g.node, [])
+            if g.index not in lst:
+                lst.append(g.index)
+                lst.sort()
+                self.zone_total[zone] = self.zone_total.get(zone, 0) + 1
+
+    def candidates(self, zones: Mapping[str | None, int | None]) -> dict[str, list[int]]:
+        """Free GPU indices per node drawn from ``zones`` (zone -> at most this many, None = all)."""
+        out: dict[str, list[int]] = {}
+        for zone in sorted(zones, key=lambda z: (z is not None, z or "")):
+            limit = zones[zone]
+            zone_free = self.free.get(zone)
+            if not zone_free:
+                continue
+            if limit is None:
+                for node, idx in zone_free.items():
+                    out[node] = list(idx)
+                continue
+            for node in sorted(zone_free):
+                if limit <= 0:
+                    break
+                take = zone_free[node][:limit]
+                out[node] = list(take)
+                limit -= len(take)
+        return out
+
+
+def choose_gpus(
+    free: Mapping[str, Sequence[int]],
+    nodes: Mapping[str, Node],
+    tp: int,
+    pp: int,
+    replicas: int,
+    anchor: Sequence[str] = (),
+) -> tuple[Gpu, ...] | None:
+    """Pick GPUs for ``replicas`` replicas of ``tp x pp`` from ``free``, or None if they do not fit.
+
+    Packs onto the fewest switches then racks, never splits a TP group across nodes, and
+    prefers the switch and rack of ``anchor`` nodes. Returns GPUs in replica order.
+    """
+    need = replicas * pp
+    if need <= 0:
+        return ()
+    caps: dict[str, int] = {}
+    total = 0
+    for name, idx in free.items():
+        g = len(idx) // tp
+        if g:
+            caps[name] = g
+            total += g
+    if total < need:
+        return None
+    anchor_nodes = set(anchor)
+    anchor_switches = {(nodes[n].rack, nodes[n].switch) for n in anchor if n in nodes}
+    anchor_racks = {nodes[n].rack for n in anchor if n in nodes}
+    by_switch: dict[tuple[str, str], list[str]] = {}
+    for name in caps:
+        node = nodes[name]
+        by_switch.setdefault((node.rack, node.switch), []).append(name)
+    switch_cap = {s: sum(caps[n] for n in ns) for s, ns in by_switch.items()}
+
+    chosen_switches: list[tuple[str, str]]
+    fitting = [s for s, c in switch_cap.items() if c >= need]
+    if fitting:
+        fitting.sort(key=lambda s: (s not in anchor_switches, s[0] not in anchor_racks, switch_cap[s], s))
+        chosen_switches = [fitting[0]]
+    else:
+        rack_cap: dict[str, int] = {}
+        for s, c in switch_cap.items():
+            rack_cap[s[0]] = rack_cap.get(s[0], 0) + c
+        racks_fit = [r for r, c in rack_cap.items() if c >= need]
+        if racks_fit:
+            racks_fit.sort(key=lambda r: (r not in anchor_racks, rack_cap[r], r))
+            racks = [racks_fit[0]]
+        else:
+            racks = sorted(rack_cap, key=lambda r: (r not in anchor_racks, -rack_cap[r], r))
+        chosen_switches = []
+        got = 0
+        for rack in racks:
+            in_rack = sorted(
+                (s for s in switch_cap if s[0] == rack),
+                key=lambda s: (s not in anchor_switches, -switch_cap[s], s),
+            )
+            for s in in_rack:
+                chosen_switches.append(s)
+                got += switch_cap[s]
+                if got >= need:
+                    break
+            if got >= need:
+                break
+
+    picks: list[tuple[str, int]] = []
+    remaining = need
+    for s in chosen_switches:
+        pool = sorted(by_switch[s], key=lambda n: (n not in anchor_nodes, -caps[n], n))
+        while remaining > 0 and pool:
+            # Best fit for the tail: the smallest node that finishes the request, so whole
+            # nodes stay whole for the next big job.
+            fits = [n for n in pool if caps[n] >= remaining and n not in anchor_nodes]
+            if any(n in anchor_nodes for n in pool):
+                name = pool[0]
+            elif fits:
+                name = min(fits, key=lambda n: (caps[n], n))
+            else:
+                name = pool[0]
+            pool.remove(name)
+            k = min(caps[name], remaining)
+            picks.append((name, k))
+            remaining -= k
+        if remaining <= 0:
+            break
+    if remaining > 0:
+        return None
+    out: list[Gpu] = []
+    for name, k in picks:
+        idx = sorted(free[name])[: k * tp]
+        out.extend(Gpu(name, i) for i in idx)
+    return tuple(out)

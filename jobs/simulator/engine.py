@@ -1,0 +1,1046 @@
+"""The discrete-event engine: plays the cluster, the clock and the trainer agents.
+
+``simulate(scenario, policy) -> dict`` replays a ``Scenario`` under ``omni`` (the production
+planner, ``jobs.planner.plan``), ``static`` or ``kill_preempt`` and returns the result dict.
+
+How time advances: a heap of events (arrivals, segment ends, saves, loads, idle phases,
+window boundaries, faults, planner wake-ups and a periodic tick). A running job computes in
+*segments* up to its next milestone (checkpoint, idle phase, completion); a segment of k steps
+draws one seeded noise value for its mean step time, so a week of 5,000 jobs costs events per
+checkpoint, not per step. After each batch of same-time events that changed something the
+planner runs, its actions are applied, and the invariants are checked.
+
+What a trainer agent does with each action (graceful): finish the step in flight, save a
+checkpoint if any step is unsaved, then release GPUs (preempt) or load at the new layout
+(shrink / grow / migrate); GPUs a job grows or migrates onto are held from the moment of the
+decision. Not graceful (``kill_preempt``): stop now, lose every step since the last completed
+save. A failed node kills every job touching it the same way; whole replicas that survive
+stay held if they form a valid layout, so the planner can continue on them.
+
+Result shape (FORMAT.md fields plus extras), JSON-able::
+
+    {scenario, policy, horizon_s, utilization, reservation_shortfall,
+     reservation_shortfall_faults_aside, preemptions, graceful_preemptions, lost_gpu_s,
+     lost_gpu_s_by_cause: {kill, fault}, useful_gpu_s, healthy_gpu_s,
+     invariant_violations: [str], planner_calls, wall_s,
+     jobs: [{name, priority, submit_s, start_s, end_s, steps_done, preemptions, jct_s,
+             lost_gpu_s,
+             segments: [{start_s, end_s, gpus, end}]}],
+             # one bar per continuous holding; end is completed|preempted|killed|fault|
+             # resized|window|cancelled|horizon ("preempted"/"killed" mark preemptions)
+     events: [audit record],           # only with record_events=True (--events)
+     timeline: [                       # one sample every horizon/288 s (at least 60 s)
+        {t, healthy_gpus,
+         allocated: {critical, regular, best_effort},   # GPUs held, by class
+         useful: {critical, regular, best_effort},      # GPUs computing steps at t
+         entitled: {critical job: GPUs its reservations guarantee at t},
+         delivered: {critical job: GPUs it holds at t, capped at the entitlement}}]}
+
+An audit record is ``{"t": float, **Action.to_audit()}`` (kind, job, gpus/nodes before and
+after, dp, accum, global_batch, borrowed_from, deadline_s, graceful, forced, reason{rule,
+text, inputs}); the engine adds records of kind ``node_down``, ``node_up``, ``slow_node``,
+``drain``, ``cancel``, ``complete`` and ``window_end`` for context. ``hold`` records appear
+only when a job's hold cause changes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.planner import plan as omni_plan
+from jobs.planner.config import PlannerConfig
+from jobs.planner.decisions import Action, Plan
+from jobs.planner.entitlements import is_active
+from jobs.planner.layout import accum_steps, batch_divides, layout_problems, replicas_of
+from jobs.planner.rhythm import step_time_at
+from jobs.planner.snapshot import (
+    PRIORITIES,
+    Command,
+    Gpu,
+    Holding,
+    Job,
+    Node,
+    Reservation,
+    Rhythm,
+    Snapshot,
+)
+from jobs.simulator.scenario import JobSpec, Scenario
+
+POLICIES = ("omni", "static", "kill_preempt")
+EPS = 1e-6
+#: Reasons for which a regular job may be stopped before its min_run_s (invariant 4).
+FORCED_RULES = frozenset({"harvest.reclaim", "entitlement", "faults", "drain", "victims", "starvation"})
+
+# Event kinds, with the order they are handled in at the same instant.
+EV_SCENARIO = 0
+EV_SUBMIT = 1
+EV_JOB = 2
+EV_WINDOW = 3
+EV_WAKE = 4
+EV_CHECK = 5
+
+
+@dataclass(slots=True)
+class Op:
+    """A stop the agent is carrying out: what to do once the step is done and saved."""
+
+    kind: str  # release | reconfigure | dormant
+    after: list[Gpu]
+    graceful: bool
+    action_kind: str
+    cmd_id: str
+    deadline_s: float | None
+    preemption: bool
+
+
+@dataclass(slots=True)
+class SimJob:
+    """The simulator's mutable state of one job."""
+
+    spec: JobSpec
+    rng: random.Random
+    submitted: bool = False
+    activity: str = "unsubmitted"  # waiting|loading|computing|saving|stop_saving|idle|done
+    terminal: str | None = None  # completed|cancelled
+    recovering: bool = False
+    dormant: bool = False
+    gpus: list[Gpu] = field(default_factory=list)
+    incoming: list[Gpu] = field(default_factory=list)
+    borrowed: dict[Gpu, str] = field(default_factory=dict)
+    dp: int = 0
+    accum: int | None = None
+    committed: int = 0
+    last_ckpt_step: int = 0
+    last_ckpt_t: float | None = None
+    ever_started: bool = False
+    start_s: float | None = None
+    end_s: float | None = None
+    run_started: float | None = None
+    last_resize: float | None = None
+    queued_since: float = 0.0
+    preemptions: int = 0
+    epoch: int = 0
+    seg_t0: float = 0.0
+    seg_k: int = 0
+    seg_step_s: float = 0.0
+    seg_nominal_s: float = 0.0
+    activity_end: float = 0.0
+    op: Op | None = None
+    unsaved_useful: float = 0.0
+    lost_gpu_s: float = 0.0
+    ring: deque = field(default_factory=lambda: deque(maxlen=200))
+    save_hist: deque = field(default_factory=lambda: deque(maxlen=20))
+    load_hist: deque = field(default_factory=lambda: deque(maxlen=20))
+    interval_start: float | None = None
+    hold_cause: str | None = None
+    version: int = 0
+    cached: Job | None = None
+    cached_version: int = -1
+    cmd_seq: int = 0
+
+    @property
+    def rep(self) -> int:
+        """GPUs per replica."""
+        return self.spec.tp * self.spec.pp
+
+    def live_committed(self, t: float) -> int:
+        """Committed steps including whole steps done so far in the current segment."""
+        if self.activity != "computing" or self.seg_step_s <= 0:
+            return self.committed
+        n = min(self.seg_k, int((t - self.seg_t0) / self.seg_step_s + EPS))
+        return self.committed + max(0, n)
+
+
+class Simulation:
+    """One replay of one scenario under one policy. Build it, call ``run()`` once."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: str = "omni",
+        record_events: bool = False,
+        progress: Callable[[str], None] | None = None,
+        full_check: bool | None = None,
+        tick_s: float = 600.0,
+        coalesce_s: float | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}")
+        self.scenario = scenario
+        self.policy = policy
+        self.record_events = record_events
+        self.progress = progress
+        self.tick_s = tick_s
+        # Big replays batch non-urgent planner passes into 30 s slots; small ones plan at once.
+        self.coalesce_s = coalesce_s if coalesce_s is not None else (30.0 if len(scenario.jobs) > 500 else 0.0)
+        self.config: PlannerConfig = scenario.planner_config("kill" if policy == "kill_preempt" else "graceful")
+        self.horizon = scenario.horizon_s
+        self.nodes: dict[str, Node] = {n.name: n for n in scenario.nodes}
+        self.node_order = [n.name for n in scenario.nodes]
+        self.down: set[str] = set()
+        self.drained_at: dict[str, float] = {}
+        self.speed: dict[str, float] = {n: 1.0 for n in self.nodes}
+        self.health: dict[str, str] = {n: "healthy" for n in self.nodes}
+        self.jobs: dict[str, SimJob] = {}
+        for spec in scenario.jobs:
+            self.jobs[spec.name] = SimJob(spec=spec, rng=random.Random(f"{scenario.seed}:{spec.name}"))
+        self.reservations = [
+            Reservation(r.name, r.job, r.gpus, r.spares, r.start_s, r.end_s, r.period_s, r.active_s, r.nodes)
+            for r in scenario.reservations
+        ]
+        self.pool_of_node = {n: r.name for r in self.reservations for n in r.nodes}
+        self.owner: dict[Gpu, str] = {}
+        self.active_names: set[str] = set()
+        self.heap: list[tuple[float, int, int, str, str, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.last_t = 0.0
+        self.violations: list[str] = []
+        self.violation_keys: set[str] = set()
+        self.records: list[dict[str, Any]] = []
+        self.useful_gpu_s = 0.0
+        self.healthy_gpu_s = 0.0
+        self.lost_by_cause = {"kill": 0.0, "fault": 0.0}
+        self.preemptions = 0
+        self.graceful_preemptions = 0
+        self.planner_calls = 0
+        self.wakes: set[float] = set()
+        self.plan_due: set[float] = set()
+        self.dirty = False
+        total = sum(n.gpus for n in scenario.nodes)
+        self.full_check = total <= 1024 if full_check is None else full_check
+        # Shortfall accounting per reservation.
+        self.res_entitled_since: dict[str, float | None] = {r.name: None for r in self.reservations}
+        self.res_fault_since: dict[str, float | None] = {r.name: None for r in self.reservations}
+        self.entitled_gpu_s = 0.0
+        self.short_gpu_s = 0.0
+        self.short_fault_gpu_s = 0.0
+        # Timeline.
+        self.sample_s = max(60.0, self.horizon / 288.0)
+        self.next_sample = 0.0
+        self.timeline: list[dict[str, Any]] = []
+        self.segments: dict[str, list[dict[str, Any]]] = {}
+        self.next_progress_day = 1
+
+    # --- event plumbing -------------------------------------------------------------------------
+
+    def _push(self, t: float, order: int, kind: str, key: str = "", epoch: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, order, self.seq, kind, key, epoch))
+
+    def _job_event(self, job: SimJob, t: float, kind: str) -> None:
+        self._push(t, EV_JOB, kind, job.spec.name, job.epoch)
+
+    def _request_plan(self, t: float, urgent: bool = True) -> None:
+        if urgent or self.coalesce_s <= 0:
+            self.dirty = True
+            return
+        slot = math.ceil(t / self.coalesce_s) * self.coalesce_s
+        if slot <= t + EPS:
+            self.dirty = True
+            return
+        if slot not in self.plan_due:
+            self.plan_due.add(slot)
+            self._push(slot, EV_WAKE, "plan")
+
+    def _violation(self, text: str, key: str | None = None) -> None:
+        k = key or text
+        if k in self.violation_keys:
+            return
+        self.violation_keys.add(k)
+        self.violations.append(f"t={self.now:.1f}s: {text}")
+
+    def _record(self, kind: str, job: str | None, **fields: Any) -> None:
+        if self.record_events:
+            self.records.append({"t": round(self.now, 3), "kind": kind, "job": job, **fields})
+
+    # --- state changes with invariant checks ----------------------------------------------------
+
+    def _touch(self, job: SimJob) -> None:
+        job.version += 1
+
+    def _assign(self, job: SimJob, gpus: list[Gpu], new_placement: bool) -> None:
+        for g in gpus:
+            holder = self.owner.get(g)
+            if holder is not None and holder != job.spec.name:
+                self._violation(f"GPU {g.label()} held by both {holder} and {job.spec.name}")
+            if g.node in self.down:
+                self._violation(f"{job.spec.name} placed on down node {g.node}")
+            if new_placement and self.health[g.node] in ("draining", "cordoned"):
+                self._violation(f"{job.spec.name} placed on {self.health[g.node]} node {g.node}")
+            self.owner[g] = job.spec.name
+
+    def _unassign(self, job: SimJob, gpus: list[Gpu]) -> None:
+        for g in gpus:
+            if self.owner.get(g) == job.spec.name:
+                del self.owner[g]
+            job.borrowed.pop(g, None)
+
+    def _check_layout(self, job: SimJob) -> None:
+        spec = job.spec
+        if not job.gpus:
+            return
+        probe = _probe_job(spec)
+        for problem in layout_problems(probe, job.gpus):
+            self._violation(f"{spec.name}: {problem}", key=f"layout:{spec.name}:{problem}")
+        d = len(job.gpus) // job.rep
+        if job.accum is None or spec.micro_batch * d * job.accum != spec.global_batch:
+            self._violation(
+                f"{spec.name}: micro_batch {spec.micro_batch} x dp {d} x accum {job.accum} != global_batch {spec.global_batch}"
+            )
+
+    def _set_layout(self, job: SimJob, gpus: list[Gpu]) -> None:
+        job.gpus = list(gpus)
+        job.dp = len(gpus) // job.rep if gpus else 0
+        job.accum = accum_steps(_probe_job(job.spec), job.dp) if job.dp else None
+        self._check_layout(job)
+        self._touch(job)
+
+    def _set_committed(self, job: SimJob, value: int, rollback: bool = False) -> None:
+        if value < job.committed:
+            if not rollback:
+                self._violation(f"{job.spec.name}: committed steps went back from {job.committed} to {value}")
+            elif value != job.last_ckpt_step:
+                self._violation(
+                    f"{job.spec.name}: rolled back to step {value}, not its last checkpoint {job.last_ckpt_step}"
+                )
+        job.committed = value
+        self._touch(job)
+
+    # --- intervals and accounting -------------------------------------------------------------
+
+    def _open_interval(self, job: SimJob) -> None:
+        if job.interval_start is None:
+            job.interval_start = self.now
+
+    def _close_interval(self, job: SimJob, end: str, gpus: int | None = None) -> None:
+        if job.interval_start is None:
+            return
+        self.segments.setdefault(job.spec.name, []).append({
+            "start_s": round(job.interval_start, 3),
+            "end_s": round(self.now, 3),
+            "gpus": len(job.gpus) if gpus is None else gpus,
+            "end": end,
+        })
+        job.interval_start = None
+
+    def _entitlement(self, res: Reservation, t: float) -> tuple[int, int]:
+        job = self.jobs[res.job]
+        runnable = job.submitted and job.terminal is None
+        if not runnable or not is_active(res, t):
+            return 0, 0
+        cap = min(res.gpus, job.spec.dp_max * job.rep)
+        return cap, min(cap, len(job.gpus))
+
+    def _advance(self, t: float) -> None:
+        """Integrate metrics over [last_t, t) with the state as it is, and take samples."""
+        a, b = self.last_t, min(t, self.horizon)
+        if b > a:
+            healthy = sum(n.gpus for name, n in self.nodes.items() if name not in self.down)
+            self.healthy_gpu_s += healthy * (b - a)
+            for res in self.reservations:
+                ent, got = self._entitlement(res, a)
+                if ent <= 0:
+                    continue
+                self.entitled_gpu_s += ent * (b - a)
+                short = ent - got
+                if short <= 0:
+                    continue
+                since = self.res_entitled_since[res.name]
+                start = max(a, (since if since is not None else a) + self.config.reclaim_grace_s)
+                if b > start:
+                    self.short_gpu_s += short * (b - start)
+                    if self.res_fault_since[res.name] is not None:
+                        self.short_fault_gpu_s += short * (b - start)
+            while self.next_sample < b - EPS:
+                self._sample(self.next_sample, healthy)
+                self.next_sample += self.sample_s
+        self.last_t = max(self.last_t, b)
+
+    def _sample(self, t: float, healthy: int) -> None:
+        alloc = dict.fromkeys(PRIORITIES, 0)
+        useful = dict.fromkeys(PRIORITIES, 0)
+        for name in self.active_names:
+            job = self.jobs[name]
+            n = len(job.gpus) + len(job.incoming)
+            alloc[job.spec.priority] += n
+            if job.activity == "computing":
+                useful[job.spec.priority] += len(job.gpus)
+        entitled: dict[str, int] = {}
+        delivered: dict[str, int] = {}
+        for res in self.reservations:
+            ent, got = self._entitlement(res, t)
+            entitled[res.job] = entitled.get(res.job, 0) + ent
+            delivered[res.job] = delivered.get(res.job, 0) + got
+        self.timeline.append({"t": round(t, 3), "healthy_gpus": healthy, "allocated": alloc, "useful": useful,
+                              "entitled": entitled, "delivered": delivered})
+
+    def _update_entitlement_marks(self) -> None:
+        for res in self.reservations:
+            ent, got = self._entitlement(res, self.now)
+            if ent <= 0:
+                self.res_entitled_since[res.name] = None
+                self.res_fault_since[res.name] = None
+                continue
+            if self.res_entitled_since[res.name] is None:
+                self.res_entitled_since[res.name] = self.now
+            if got >= ent:
+                self.res_fault_since[res.name] = None
+
+    # --- job mechanics ------------------------------------------------------------------------
+
+    def _nominal_step_s(self, job: SimJob) -> float:
+        return step_time_at(_probe_job(job.spec), job.dp)
+
+    def _start_computing(self, job: SimJob) -> None:
+        spec = job.spec
+        if job.committed >= spec.total_steps:
+            self._complete(job)
+            return
+        milestone = spec.total_steps
+        every = spec.checkpoint.every_steps
+        milestone = min(milestone, (job.committed // every + 1) * every)
+        for phase in spec.idle_phases:
+            milestone = min(milestone, (job.committed // phase.every_steps + 1) * phase.every_steps)
+        k = max(1, milestone - job.committed)
+        nominal = self._nominal_step_s(job)
+        slow = max((self.speed[g.node] for g in job.gpus), default=1.0)
+        base = nominal * slow
+        cv = spec.step_cv
+        noise = 1.0
+        if cv > 0:
+            noise = min(2.0, max(0.5, 1.0 + cv * job.rng.gauss(0.0, 1.0) / math.sqrt(k)))
+            for _ in range(min(k, 3)):
+                job.ring.append(base * min(2.0, max(0.5, 1.0 + cv * job.rng.gauss(0.0, 1.0))))
+        else:
+            job.ring.append(base)
+        job.activity = "computing"
+        job.seg_t0 = self.now
+        job.seg_k = k
+        job.seg_step_s = base * noise
+        job.seg_nominal_s = nominal
+        job.epoch += 1
+        self._touch(job)
+        self._job_event(job, self.now + k * job.seg_step_s, "segment_end")
+
+    def _commit_segment(self, job: SimJob, steps: int) -> None:
+        if steps <= 0:
+            return
+        self._set_committed(job, job.committed + steps)
+        job.unsaved_useful += steps * job.seg_nominal_s * len(job.gpus)
+
+    def _segment_end(self, job: SimJob) -> None:
+        self._commit_segment(job, job.seg_k)
+        job.seg_k = 0
+        spec = job.spec
+        if job.committed >= spec.total_steps:
+            self._complete(job)
+            return
+        if job.op is not None and job.op.kind == "repace":
+            job.op = None
+        elif job.op is not None:
+            self._stop_save_or_execute(job)
+            return
+        if job.committed % spec.checkpoint.every_steps == 0:
+            self._begin_save(job, "saving")
+            return
+        self._after_save_point(job)
+
+    def _after_save_point(self, job: SimJob) -> None:
+        idle = sum(p.duration_s for p in job.spec.idle_phases if job.committed % p.every_steps == 0)
+        if idle > 0 and job.committed > 0:
+            job.activity = "idle"
+            job.epoch += 1
+            self._touch(job)
+            self._job_event(job, self.now + idle, "idle_end")
+            return
+        self._start_computing(job)
+
+    def _begin_save(self, job: SimJob, activity: str) -> None:
+        job.activity = activity
+        job.epoch += 1
+        save_s = job.spec.checkpoint.save_s
+        self._touch(job)
+        self._job_event(job, self.now + save_s, "save_end")
+
+    def _save_end(self, job: SimJob) -> None:
+        job.last_ckpt_step = job.committed
+        job.last_ckpt_t = self.now
+        job.save_hist.append(job.spec.checkpoint.save_s)
+        self.useful_gpu_s += job.unsaved_useful
+        job.unsaved_useful = 0.0
+        self._touch(job)
+        if job.op is not None:
+            self._execute_op(job)
+            return
+        self._after_save_point(job)
+
+    def _stop_save_or_execute(self, job: SimJob) -> None:
+        if job.committed > job.last_ckpt_step:
+            self._begin_save(job, "stop_saving")
+        else:
+            self._execute_op(job)
+
+    def _request_stop(self, job: SimJob, op: Op) -> None:
+        job.op = op
+        self._touch(job)
+        act = job.activity
+        if act == "computing":
+            elapsed = self.now - job.seg_t0
+            n = int(elapsed / job.seg_step_s + EPS) if job.seg_step_s > 0 else 0
+            at_boundary = abs(elapsed - n * job.seg_step_s) <= EPS
+            target = min(job.seg_k, n if at_boundary else n + 1)
+            job.seg_k = target
+            job.epoch += 1
+            self._job_event(job, job.seg_t0 + target * job.seg_step_s, "segment_end")
+        elif act in ("saving", "stop_saving"):
+            return
+        elif act == "idle":
+            self._stop_save_or_execute(job)
+        else:  # loading or waiting
+            job.epoch += 1
+            self._execute_op(job)
+
+    def _execute_op(self, job: SimJob) -> None:
+        op = job.op
+        job.op = None
+        self._touch(job)
+        self._request_plan(self.now)
+        if op is None:
+            return
+        if op.kind in ("release", "dormant"):
+            end = "window" if op.kind == "dormant" else ("preempted" if op.graceful else "killed")
+            self._close_interval(job, end)
+            self._unassign(job, job.gpus + job.incoming)
+            job.incoming = []
+            self._set_layout(job, [])
+            job.activity = "waiting"
+            job.epoch += 1
+            job.run_started = None
+            job.queued_since = self.now
+            job.dormant = op.kind == "dormant"
+            if op.preemption:
+                job.preemptions += 1
+                self.preemptions += 1
+                if op.graceful:
+                    self.graceful_preemptions += 1
+            return
+        # reconfigure: keep `after`, drop the rest, load at the new layout.
+        after = list(op.after)
+        keep = set(after)
+        self._close_interval(job, "resized")
+        self._unassign(job, [g for g in job.gpus + job.incoming if g not in keep])
+        job.incoming = []
+        old_dp = job.dp
+        self._set_layout(job, after)
+        if job.dp != old_dp:
+            job.ring.clear()
+            job.last_resize = self.now
+        if op.action_kind == "migrate":
+            job.last_resize = self.now
+        if op.preemption:
+            job.preemptions += 1
+        self._begin_load(job)
+
+    def _begin_load(self, job: SimJob) -> None:
+        if not job.gpus:
+            job.activity = "waiting"
+            return
+        self._open_interval(job)
+        job.activity = "loading"
+        job.epoch += 1
+        load_s = job.spec.checkpoint.load_s
+        job.load_hist.append(load_s)
+        self._touch(job)
+        self._job_event(job, self.now + load_s, "load_end")
+
+    def _kill(self, job: SimJob, cause: str) -> None:
+        """Stop now without a checkpoint: every step since the last completed save is lost."""
+        lost = job.unsaved_useful
+        if job.activity == "computing" and job.seg_step_s > 0:
+            elapsed = self.now - job.seg_t0
+            n = min(job.seg_k, int(elapsed / job.seg_step_s + EPS))
+            self._commit_segment(job, n)
+            lost = job.unsaved_useful + max(0.0, elapsed - n * job.seg_step_s) * len(job.gpus) * (
+                job.seg_nominal_s / job.seg_step_s)
+        job.lost_gpu_s += lost
+        self.lost_by_cause[cause] += lost
+        job.unsaved_useful = 0.0
+        if job.committed != job.last_ckpt_step:
+            self._set_committed(job, job.last_ckpt_step, rollback=True)
+        job.seg_k = 0
+        job.epoch += 1
+        job.activity = "waiting"
+        self._touch(job)
+
+    def _complete(self, job: SimJob) -> None:
+        self.useful_gpu_s += job.unsaved_useful
+        job.unsaved_useful = 0.0
+        self._close_interval(job, "completed")
+        self._unassign(job, job.gpus + job.incoming)
+        job.incoming = []
+        job.gpus = []
+        job.dp = 0
+        job.terminal = "completed"
+        job.activity = "done"
+        job.end_s = self.now
+        job.op = None
+        job.epoch += 1
+        self.active_names.discard(job.spec.name)
+        self._record("complete", job.spec.name, steps_done=job.committed)
+        self._request_plan(self.now, urgent=job.spec.priority == "critical")
+
+    # --- handlers -----------------------------------------------------------------------------
+
+    def _on_job_event(self, kind: str, job: SimJob) -> None:
+        if kind == "segment_end":
+            self._segment_end(job)
+        elif kind == "save_end":
+            self._save_end(job)
+        elif kind == "idle_end":
+            if job.op is not None:
+                self._stop_save_or_execute(job)
+            else:
+                self._start_computing(job)
+        elif kind == "load_end":
+            self._start_computing(job)
+
+    def _on_submit(self, job: SimJob) -> None:
+        job.submitted = True
+        job.activity = "waiting"
+        job.queued_since = self.now
+        self.active_names.add(job.spec.name)
+        self._touch(job)
+        self._request_plan(self.now, urgent=job.spec.priority == "critical")
+
+    def _on_scenario_event(self, index: int) -> None:
+        ev = self.scenario.events[index]
+        if ev.kind == "node_down":
+            self._node_down(ev.node or "")
+        elif ev.kind == "node_up":
+            node = ev.node or ""
+            self.down.discard(node)
+            self.health[node] = "healthy"
+            self.drained_at.pop(node, None)
+            self._record("node_up", None, nodes_after=[node])
+        elif ev.kind == "slow_node":
+            node = ev.node or ""
+            self.speed[node] = ev.factor or 1.0
+            self._record("slow_node", None, nodes_after=[node], factor=ev.factor)
+            for name in sorted(self.active_names):
+                job = self.jobs[name]
+                if job.activity == "computing" and any(g.node == node for g in job.gpus) and job.op is None:
+                    # Re-pace from the next step boundary on.
+                    self._request_stop(job, Op("repace", [], True, "repace", "", None, False))
+        elif ev.kind == "drain":
+            node = ev.node or ""
+            if node not in self.down:
+                self.health[node] = "draining"
+                self.drained_at[node] = self.now
+                self._record("drain", None, nodes_after=[node])
+                for name in sorted(self.active_names):
+                    job = self.jobs[name]
+                    if any(g.node == node for g in job.gpus + job.incoming):
+                        deadline = self.now + job.spec.checkpoint.save_s + self.config.reclaim_grace_s
+                        # One step in flight is allowed on top of save + grace.
+                        deadline += self._nominal_step_s(job) * 2.0 * max(self.speed.values())
+                        self._push(deadline, EV_CHECK, "drain_check", f"{name}|{node}")
+        elif ev.kind == "cancel":
+            job = self.jobs[ev.job or ""]
+            if job.terminal is None and job.submitted:
+                if job.gpus:
+                    self._kill(job, "kill")
+                self._close_interval(job, "cancelled")
+                self._unassign(job, job.gpus + job.incoming)
+                job.gpus, job.incoming, job.dp, job.op = [], [], 0, None
+                job.terminal = "cancelled"
+                job.activity = "done"
+                job.end_s = self.now
+                job.epoch += 1
+                self.active_names.discard(job.spec.name)
+                self._record("cancel", job.spec.name)
+            elif not job.submitted:
+                job.terminal = "cancelled"
+        self._request_plan(self.now)
+
+    def _node_down(self, node: str) -> None:
+        self.down.add(node)
+        self.health[node] = "failed"
+        self._record("node_down", None, nodes_before=[node])
+        for name in sorted(self.active_names):
+            job = self.jobs[name]
+            if not any(g.node == node for g in job.gpus + job.incoming):
+                continue
+            before = list(job.gpus)
+            self._kill(job, "fault")
+            job.op = None
+            self._unassign(job, job.incoming)
+            job.incoming = []
+            probe = _probe_job(job.spec)
+            survivors = [r for r in replicas_of(probe, job.gpus) if not any(g.node in self.down for g in r)]
+            keep: list[Gpu] = []
+            if survivors:
+                d = len(survivors)
+                while d >= job.spec.dp_min and not batch_divides(probe, d):
+                    d -= 1
+                if d >= job.spec.dp_min:
+                    keep = [g for r in survivors[:d] for g in r]
+            self._close_interval(job, "fault", gpus=len(before))
+            self._unassign(job, [g for g in job.gpus if g not in set(keep)])
+            self._set_layout(job, keep)
+            job.recovering = True
+            job.dormant = False
+            job.run_started = None if not keep else job.run_started
+            job.queued_since = self.now
+            self._record("fault", name, nodes_before=sorted({g.node for g in before}),
+                         gpus_before=len(before), gpus_after=len(keep),
+                         reason={"rule": "faults", "text": f"Node {node} failed: the job loses the steps "
+                                 f"since its last checkpoint (step {job.last_ckpt_step}) and recovers.",
+                                 "inputs": {"node": node, "survivor_gpus": len(keep)}})
+            for res in self.reservations:
+                if res.job == name:
+                    self.res_fault_since[res.name] = self.now
+
+    def _on_window(self, res_index: int) -> None:
+        res = self.reservations[res_index]
+        job = self.jobs[res.job]
+        if res.period_s and not is_active(res, self.now) and job.terminal is None and job.submitted:
+            if job.gpus and job.op is None:
+                self._record("window_end", job.spec.name, reason={"rule": "entitlement", "text": (
+                    f"Reservation window of '{res.name}' closed: the job saves and sleeps until the next one."),
+                    "inputs": {}})
+                self._request_stop(job, Op("dormant", [], True, "window_end", f"{res.job}-w{self.seq}", None, False))
+        self._request_plan(self.now)
+
+    # --- snapshot and plan ------------------------------------------------------------------------
+
+    def _snapshot_job(self, job: SimJob) -> Job:
+        live = job.live_committed(self.now)
+        if job.cached is not None and job.cached_version == job.version and live == job.cached.committed_steps:
+            return job.cached
+        spec = job.spec
+        if job.recovering and job.activity == "waiting":
+            phase = "recovering"
+        elif job.activity == "waiting":
+            phase = "preempted" if job.ever_started and not job.dormant else "pending"
+        elif job.activity == "saving":
+            phase = "checkpointing"
+        else:
+            phase = "running"
+        holdings = tuple(Holding(g, job.borrowed.get(g)) for g in job.gpus + job.incoming)
+        snap = Job(
+            name=spec.name, priority=spec.priority, tp=spec.tp, pp=spec.pp, dp=spec.dp,
+            dp_min=spec.dp_min, dp_max=spec.dp_max, global_batch=spec.global_batch,
+            micro_batch=spec.micro_batch, total_steps=spec.total_steps, step_s=spec.step_s,
+            comm_fraction=spec.comm_fraction, checkpoint=spec.checkpoint, idle_phases=spec.idle_phases,
+            min_run_s=spec.min_run_s, submit_s=spec.submit_s, owner=spec.owner, phase=phase,
+            committed_steps=live, last_checkpoint_step=job.last_ckpt_step,
+            last_checkpoint_s=job.last_ckpt_t, run_started_s=job.run_started,
+            last_resize_s=job.last_resize, queued_since_s=job.queued_since, holdings=holdings,
+            rhythm=Rhythm(tuple(job.ring), tuple(job.save_hist), tuple(job.load_hist)),
+            preemptions=job.preemptions,
+        )
+        job.cached = snap
+        job.cached_version = job.version
+        return snap
+
+    def snapshot(self) -> Snapshot:
+        """The planner's view of the simulated cluster now."""
+        nodes = tuple(
+            Node(n.name, n.rack, n.switch, n.gpus, self.health[n.name], self.speed[n.name])
+            for n in self.scenario.nodes
+        )
+        jobs = tuple(self._snapshot_job(self.jobs[name]) for name in sorted(self.active_names))
+        reservations = tuple(r for r in self.reservations if self.jobs[r.job].terminal is None)
+        commands = tuple(
+            Command(j.op.cmd_id, name, j.op.action_kind, j.op.deadline_s)
+            for name in sorted(self.active_names)
+            if (j := self.jobs[name]).op is not None
+        )
+        return Snapshot(nodes, jobs, reservations, commands)
+
+    def _plan(self) -> None:
+        snap = self.snapshot()
+        self.planner_calls += 1
+        if self.policy == "static":
+            from jobs.simulator.policies import plan_static
+
+            result: Plan = plan_static(snap, self.now, self.config)
+        else:
+            result = omni_plan(snap, self.now, self.config)
+        for action in result.actions:
+            self._apply(action)
+        if result.wake_at_s is not None and result.wake_at_s > self.now + EPS and result.wake_at_s not in self.wakes:
+            self.wakes.add(result.wake_at_s)
+            self._push(result.wake_at_s, EV_WAKE, "wake")
+
+    def _apply(self, action: Action) -> None:
+        job = self.jobs.get(action.job)
+        if job is None or job.terminal is not None:
+            return
+        if action.kind == "hold":
+            cause = action.reason.inputs.get("cause")
+            if cause != job.hold_cause:
+                job.hold_cause = cause
+                self._record("hold", job.spec.name, **_audit(action))
+            return
+        job.hold_cause = None
+        self._record(action.kind, job.spec.name, **_audit(action))
+        after = list(action.gpus_after)
+        spec = job.spec
+        if action.kind in ("preempt", "reclaim", "shrink") and spec.priority == "regular":
+            ran = self.now - job.run_started if job.run_started is not None else math.inf
+            if job.run_started is not None and ran < spec.min_run_s - EPS and not (
+                action.forced and action.reason.rule in FORCED_RULES
+            ) and action.reason.rule not in ("harvest.reclaim", "drain", "faults"):
+                self._violation(f"{spec.name} ({action.kind}) stopped after {ran:.0f}s < min_run_s {spec.min_run_s:.0f}s "
+                                f"for {action.reason.rule}")
+        if job.activity in ("waiting",):
+            # Start (place / lend / recover) or a fault shrink onto survivors.
+            new = [g for g in after if g not in set(job.gpus)]
+            self._assign(job, new, new_placement=True)
+            self._unassign(job, [g for g in job.gpus if g not in set(after)])
+            for g in after:
+                zone = self.pool_of_node.get(g.node)
+                if zone is not None and zone not in {r.name for r in self.reservations if r.job == spec.name}:
+                    job.borrowed[g] = zone
+            self._set_layout(job, after)
+            if not after:
+                return
+            job.recovering = False
+            job.dormant = False
+            job.run_started = self.now
+            if job.start_s is None:
+                job.start_s = self.now
+            self._open_interval(job)
+            if not job.ever_started:
+                job.ever_started = True
+                self._start_computing(job)
+            else:
+                self._begin_load(job)
+            return
+        if job.op is not None:
+            return  # already stopping: the planner should not have asked
+        graceful = action.graceful
+        preemption = action.kind in ("preempt", "reclaim") and not after
+        cmd_id = f"{spec.name}-{job.cmd_seq}"
+        job.cmd_seq += 1
+        if not after:
+            op = Op("release", [], graceful, action.kind, cmd_id, action.deadline_s, preemption)
+        else:
+            new = [g for g in after if g not in set(job.gpus)]
+            if new:
+                self._assign(job, new, new_placement=True)
+                job.incoming = new
+                for g in new:
+                    zone = self.pool_of_node.get(g.node)
+                    if zone is not None and zone not in {r.name for r in self.reservations if r.job == spec.name}:
+                        job.borrowed[g] = zone
+            op = Op("reconfigure", after, graceful, action.kind, cmd_id, action.deadline_s, False)
+        if graceful:
+            self._request_stop(job, op)
+        else:
+            self._kill(job, "kill")
+            if preemption:
+                pass
+            job.op = op
+            self._execute_op(job)
+
+    # --- main loop ------------------------------------------------------------------------------
+
+    def _check_all(self) -> None:
+        seen: dict[Gpu, str] = {}
+        for name in self.active_names:
+            job = self.jobs[name]
+            for g in job.gpus + job.incoming:
+                if g in seen and seen[g] != name:
+                    self._violation(f"GPU {g.label()} held by both {seen[g]} and {name}")
+                seen[g] = name
+                if g.node in self.down:
+                    self._violation(f"{name} holds GPU {g.label()} on down node {g.node}")
+            if job.gpus:
+                self._check_layout(job)
+
+    def _on_check(self, key: str) -> None:
+        name, node = key.split("|")
+        job = self.jobs[name]
+        if self.health.get(node) == "draining" and any(g.node == node for g in job.gpus + job.incoming):
+            self._violation(f"{name} still on drained node {node} past its save time + reclaim_grace_s")
+
+    def run(self) -> dict[str, Any]:
+        """Play the scenario to its horizon and return the result dict (see module docstring)."""
+        wall0 = time.perf_counter()
+        for spec in self.scenario.jobs:
+            self._push(spec.submit_s, EV_SUBMIT, "submit", spec.name)
+        for i, ev in enumerate(self.scenario.events):
+            self._push(ev.at_s, EV_SCENARIO, "scenario", str(i))
+        for i, res in enumerate(self.reservations):
+            for t in _window_boundaries(res, self.horizon):
+                self._push(t, EV_WINDOW, "window", str(i))
+        t = 0.0
+        while t <= self.horizon:
+            self._push(t, EV_WAKE, "tick")
+            t += self.tick_s
+        self._push(self.horizon, EV_CHECK, "horizon")
+        plans_at_t = 0
+        while self.heap:
+            t = self.heap[0][0]
+            if t > self.horizon + EPS:
+                break
+            if t > self.now + EPS:
+                self._advance(t)
+                self.now = t
+                plans_at_t = 0
+                if self.progress is not None and t >= self.next_progress_day * 86400:
+                    self.progress(f"{self.scenario.name} [{self.policy}]: day {int(t // 86400)} "
+                                  f"({len(self.active_names)} jobs active, {self.planner_calls} planner passes)")
+                    self.next_progress_day = int(t // 86400) + 1
+            while True:
+                self._drain_now()
+                self._update_entitlement_marks()
+                if self.dirty and plans_at_t < 4:
+                    self.dirty = False
+                    plans_at_t += 1
+                    self._plan()
+                    self._update_entitlement_marks()
+                    if self.full_check:
+                        self._check_all()
+                    continue
+                break
+        self._advance(self.horizon)
+        self.now = self.horizon
+        return self._result(time.perf_counter() - wall0)
+
+    def _drain_now(self) -> None:
+        """Handle every queued event at the current instant (handlers may add more)."""
+        while self.heap and self.heap[0][0] <= self.now + EPS:
+            _, order, _, kind, key, epoch = heapq.heappop(self.heap)
+            if kind == "horizon":
+                continue
+            if order == EV_JOB:
+                job = self.jobs[key]
+                if epoch == job.epoch and job.terminal is None:
+                    self._on_job_event(kind, job)
+            elif kind == "submit":
+                job = self.jobs[key]
+                if job.terminal is None:
+                    self._on_submit(job)
+            elif kind == "scenario":
+                self._on_scenario_event(int(key))
+            elif kind == "window":
+                self._on_window(int(key))
+            elif kind in ("wake", "tick", "plan"):
+                self.plan_due.discard(self.now)
+                self.dirty = True
+            elif kind == "drain_check":
+                self._on_check(key)
+
+    def _result(self, wall_s: float) -> dict[str, Any]:
+        jobs_out = []
+        for spec in self.scenario.jobs:
+            job = self.jobs[spec.name]
+            if job.terminal is None and job.activity == "computing":
+                n = job.live_committed(self.horizon) - job.committed
+                if n > 0:
+                    self._commit_segment(job, n)
+            if job.terminal is None:
+                self.useful_gpu_s += job.unsaved_useful
+                job.unsaved_useful = 0.0
+                self._close_interval(job, "horizon")
+            jobs_out.append({
+                "name": spec.name,
+                "priority": spec.priority,
+                "submit_s": spec.submit_s,
+                "start_s": job.start_s,
+                "end_s": job.end_s if job.terminal == "completed" else None,
+                "steps_done": job.committed,
+                "preemptions": job.preemptions,
+                "jct_s": (job.end_s - spec.submit_s) if job.terminal == "completed" and job.end_s is not None else None,
+                "lost_gpu_s": round(job.lost_gpu_s, 3),
+                "segments": self.segments.get(spec.name, []),
+            })
+        lost = self.lost_by_cause["kill"] + self.lost_by_cause["fault"]
+        out: dict[str, Any] = {
+            "scenario": self.scenario.name,
+            "policy": self.policy,
+            "horizon_s": self.horizon,
+            "utilization": round(self.useful_gpu_s / self.healthy_gpu_s, 6) if self.healthy_gpu_s else 0.0,
+            "reservation_shortfall": round(self.short_gpu_s / self.entitled_gpu_s, 6) if self.entitled_gpu_s else 0.0,
+            "reservation_shortfall_faults_aside": round(
+                (self.short_gpu_s - self.short_fault_gpu_s) / self.entitled_gpu_s, 6) if self.entitled_gpu_s else 0.0,
+            "preemptions": self.preemptions,
+            "graceful_preemptions": self.graceful_preemptions,
+            "lost_gpu_s": round(lost, 3),
+            "lost_gpu_s_by_cause": {k: round(v, 3) for k, v in self.lost_by_cause.items()},
+            "useful_gpu_s": round(self.useful_gpu_s, 3),
+            "healthy_gpu_s": round(self.healthy_gpu_s, 3),
+            "invariant_violations": list(self.violations),
+            "planner_calls": self.planner_calls,
+            "wall_s": round(wall_s, 3),
+            "jobs": jobs_out,
+            "timeline": self.timeline,
+        }
+        if self.record_events:
+            out["events"] = self.records
+        return out
+
+
+_PROBES: dict[int, tuple[JobSpec, Job]] = {}
+
+
+def _probe_job(spec: JobSpec) -> Job:
+    """A planner ``Job`` carrying just the spec (for the layout and step-time helpers)."""
+    hit = _PROBES.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    probe = Job(name=spec.name, priority=spec.priority, tp=spec.tp, pp=spec.pp, dp=spec.dp, dp_min=spec.dp_min,
+                dp_max=spec.dp_max, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+                total_steps=spec.total_steps, step_s=spec.step_s, comm_fraction=spec.comm_fraction)
+    _PROBES[id(spec)] = (spec, probe)
+    return probe
+
+
+def _audit(action: Action) -> dict[str, Any]:
+    out = action.to_audit()
+    out.pop("kind")
+    out.pop("job")
+    return out
+
+
+def _window_boundaries(res: Reservation, horizon: float) -> list[float]:
+    """Every time in [0, horizon] at which ``res`` becomes active or inactive."""
+    out = [res.start_s]
+    if res.end_s is not None:
+        out.append(res.end_s)
+    if res.period_s:
+        t = res.start_s
+        end = min(horizon, res.end_s if res.end_s is not None else horizon)
+        while t <= end:
+            out.append(t)
+            out.append(t + (res.active_s or res.period_s))
+            t += res.period_s
+    return sorted({t for t in out if 0 <= t <= horizon})
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str = "omni",
+    record_events: bool = False,
+    progress: Callable[[str], None] | None = None,
+    full_check: bool | None = None,
+) -> dict[str, Any]:
+    """Replay ``scenario`` under ``policy`` and return the result dict."""
+    return Simulation(scenario, policy, record_events, progress, full_check).run()
+
+
+def stderr_progress(message: str) -> None:
+    """Progress printer for long runs (one line per simulated day)."""
+    print(message, file=sys.stderr, flush=True)
