@@ -567,7 +567,7 @@ def _gpu_jobs(node_id: int) -> dict[int, int]:
 
 def _after_commit(kind: str, node: Node, rows: GpuRows, lag_s: float) -> None:
     metrics.count("omni_telemetry_batches_total", f"{kind},stored")
-    metrics.count("omni_telemetry_samples_total", kind, len(rows))
+    metrics.samples_stored(kind, len(rows))
     metrics.count("omni_telemetry_lag_seconds_sum", kind, lag_s)
     interval_s = settings.OMNI_TELEMETRY_LIVE_INTERVAL_S
     if kind == BatchKind.GPU:
