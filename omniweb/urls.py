@@ -11,8 +11,10 @@ urlpatterns = [
     path("", include("jobs.urls")),
     path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/telemetry/", include("telemetry.api.urls")),
     path("api/", include("jobs.api.urls")),
     path("agent/heartbeat/", heartbeat_view, name="agent-heartbeat"),  # agents' HTTP fallback
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("admin/", admin.site.urls),
+    path("", include("telemetry.urls")),
 ]
