@@ -1,9 +1,20 @@
-"""Page routes of the jobs app."""
+"""Page routes of the jobs app: dashboard, job pages, the operator console and the audit review."""
 
-from django.urls import path
+from django.urls import path, re_path
 
 from jobs import views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
+    path("jobs/<int:pk>/", views.job_detail, name="job-detail"),
+    path("jobs/<int:pk>/cancel/", views.job_cancel, name="job-cancel"),
+    path("console/", views.console, name="console"),
+    path("console/nodes/<int:pk>/<slug:action>/", views.node_action, name="node-action"),
+    path("console/planner/", views.planner_control, name="planner-control"),
+    path("console/reservations/new/", views.reservation_edit, name="reservation-new"),
+    path("console/reservations/<int:pk>/edit/", views.reservation_edit, name="reservation-edit"),
+    path("console/reservations/<int:pk>/cancel/", views.reservation_cancel, name="reservation-cancel"),
+    path("audit/", views.audit, name="audit"),
+    re_path(r"^audit/export\.(?P<fmt>csv|json)$", views.audit_export, name="audit-export"),
+    path("vendor/plotly-<str:version>.min.js", views.plotly_js, name="plotly-js"),
 ]

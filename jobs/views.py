@@ -1,38 +1,571 @@
-"""Server-rendered pages of the jobs app. The live dashboard builds on these (docs/live-ui.md)."""
+"""Server-rendered pages: the researcher's dashboard and job page, the operator's console and
+the auditor's review, with their POST-only actions and streamed exports (docs/live-ui.md).
+
+Every write calls a function in ``jobs.actions`` (which checks the role again and audits it);
+``PermissionDenied`` becomes a 403 page. Pages render complete state; ``static/js/live.js``
+then keeps them current over ``/ws/live/``.
+"""
 
 from __future__ import annotations
 
-from django.contrib.auth.decorators import login_required
-from django.db.models import Count, Prefetch
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+import csv
+import json
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from functools import wraps
+from pathlib import Path
+from typing import Any
 
-from jobs import roles
-from jobs.models import Allocation, Job, JobState, Node, Reservation
-from jobs.models.jobs import TERMINAL_JOB_STATES
+import plotly
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.cache import cache
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Count, Prefetch, Q
+from django.http import (
+    FileResponse,
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    StreamingHttpResponse,
+)
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from jobs import actions, roles
+from jobs.audit import GENESIS_HASH, compute_hash
+from jobs.forms import AuditFilterForm, JobFilterForm, PlannerControlForm, ReservationForm
+from jobs.live_data import (
+    RANGES,
+    eta,
+    human_duration,
+    job_markers,
+    job_series,
+    last_events,
+    last_holds,
+    loans_by_reservation,
+    measured_step_s,
+    pending_reason,
+    reservation_boundaries,
+    reservation_windows,
+    utilisation_series,
+)
+from jobs.live_events import compact_nodes, describe_event, event_payload
+from jobs.models import (
+    Allocation,
+    ElasticEvent,
+    EventKind,
+    IllegalTransition,
+    Job,
+    JobState,
+    Node,
+    PlannerControl,
+    PlannerRun,
+    Priority,
+    Reservation,
+)
+
+AUDIT_PAGE_SIZE = 100
+EXPORT_CHUNK_ROWS = 2000
+CHAIN_VERIFY_BUDGET_ROWS = 200_000
+CHAIN_CACHE_KEY = "omni:audit-chain-verified"
+
+
+def role_required(check: Callable[[Any], bool], what: str):
+    """Signed-in users only (anonymous -> login); users failing ``check`` get a 403 page."""
+
+    def decorate(view):
+        @wraps(view)
+        @login_required
+        def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponseBase:
+            if not roles.has_any_role(request.user):
+                return render(request, "jobs/no_role.html", status=403)
+            if not check(request.user):
+                raise PermissionDenied(what)
+            return view(request, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+any_role = role_required(roles.has_any_role, "you need an Omni role")
+audit_reader = role_required(roles.can_read_audit, "only operators and auditors may review the audit log")
+
+
+def _page_context(request: HttpRequest, section: str) -> dict[str, Any]:
+    user = request.user
+    return {
+        "section": section,
+        "roles": sorted(roles.role_names(user)),
+        "is_operator": roles.is_operator(user),
+        "can_read_audit": roles.can_read_audit(user),
+        "plotly_version": plotly.__version__,
+    }
+
+
+# -- researchers: the dashboard ---------------------------------------------------------------
+
+
+@require_GET
+@any_role
+def dashboard(request: HttpRequest) -> HttpResponse:
+    """My jobs (everyone's for operators and auditors) with progress, ETA and the last word."""
+    user = request.user
+    default_mine = roles.is_researcher(user) and not (roles.is_operator(user) or roles.is_auditor(user))
+    form = JobFilterForm(request.GET)
+    form.is_valid()
+    jobs_qs = form.filter(
+        Job.objects.select_related("owner").annotate(
+            gpus=Count("allocations"),
+            borrowed=Count("allocations", filter=Q(allocations__borrowed_from__isnull=False)),
+        ),
+        user,
+        default_mine,
+    ).order_by("priority", "-submitted_at")
+    jobs = list(jobs_qs[:200])
+    ids = [job.pk for job in jobs]
+    rhythm = measured_step_s(ids)
+    newest = last_events(ids)
+    holds = last_holds([job.pk for job in jobs if job.state in (JobState.PENDING, JobState.PREEMPTED)])
+    rows = []
+    for job in jobs:
+        seconds_left, measured = eta(job, rhythm.get(job.pk))
+        last = newest.get(job.pk)
+        rows.append({
+            "job": job,
+            "eta": human_duration(seconds_left),
+            "eta_measured": measured,
+            "step_s": rhythm.get(job.pk, job.step_s),
+            "last_text": describe_event(last) if last else "",
+            "last_at": last.at if last else None,
+            "why": pending_reason(job, holds.get(job.pk)) if job.state in (JobState.PENDING, JobState.PREEMPTED) else "",
+        })
+    counts = dict(Job.objects.values_list("state").annotate(n=Count("id")).order_by())
+    context = {
+        **_page_context(request, "dashboard"),
+        "form": form,
+        "rows": rows,
+        "truncated": len(jobs) == 200,
+        "default_mine": default_mine,
+        "counts": {
+            "running": sum(counts.get(s, 0) for s in ("running", "checkpointing", "resizing", "recovering")),
+            "waiting": counts.get("pending", 0) + counts.get("preempted", 0),
+        },
+        "gpus_total": sum(Node.objects.values_list("gpu_count", flat=True)),
+        "gpus_used": Allocation.objects.count(),
+        "gpus_borrowed": Allocation.objects.filter(borrowed_from__isnull=False).count(),
+    }
+    return render(request, "jobs/dashboard.html", context)
+
+
+# -- researchers: the job page ------------------------------------------------------------------
+
+
+def _job_for(request: HttpRequest, pk: int) -> Job:
+    job = get_object_or_404(Job.objects.select_related("owner"), pk=pk)
+    user = request.user
+    if not (roles.is_operator(user) or roles.is_auditor(user) or job.owner_id == user.pk):
+        raise PermissionDenied("researchers may open only their own jobs")
+    return job
+
+
+@require_GET
+@any_role
+def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """One job: live timelines with scheduler markers, tokens, checkpoints, log, why pending."""
+    job = _job_for(request, pk)
+    range_key = request.GET.get("range", "6h")
+    if range_key not in RANGES:
+        range_key = "6h"
+    now = timezone.now()
+    since = now - RANGES[range_key]
+    allocations = list(
+        Allocation.objects.filter(job=job).select_related("node", "borrowed_from").order_by("node__name", "gpu_index")
+    )
+    events = list(
+        job.events.select_related("refers_to").prefetch_related("outcomes").order_by("-id")[:200]
+    )
+    checkpoints = [e for e in events if e.kind == EventKind.CHECKPOINT or e.outcome.get("checkpoint_step") is not None]
+    hold = next((e for e in events if e.kind == EventKind.HOLD), None)
+    rhythm = measured_step_s([job.pk]).get(job.pk)
+    seconds_left, measured = eta(job, rhythm)
+    by_node: dict[str, list[Allocation]] = {}
+    for allocation in allocations:
+        by_node.setdefault(allocation.node.name, []).append(allocation)
+    chart = {
+        "job_id": job.pk,
+        "since": since.isoformat(),
+        "until": now.isoformat(),
+        "series": job_series(job, since, now),
+        "markers": job_markers(job, since) + reservation_boundaries(job, since, now + timedelta(hours=1)),
+        "gpu_keys": [{"name": f"{a.node.name}/{a.gpu_index}", "node": a.node_id, "gpu": a.gpu_index}
+                     for a in allocations],
+    }
+    context = {
+        **_page_context(request, "dashboard"),
+        "job": job,
+        "can_act": roles.can_act_on_job(request.user, job),
+        "allocations": allocations,
+        "by_node": by_node,
+        "nodes_text": compact_nodes(by_node),
+        "borrowed": sum(1 for a in allocations if a.borrowed_from_id),
+        "events": [{"event": e, "text": describe_event(e)} for e in events],
+        "checkpoints": checkpoints[:20],
+        "why": pending_reason(job, hold) if job.state in (JobState.PENDING, JobState.PREEMPTED) else "",
+        "hold": hold,
+        "eta": human_duration(seconds_left),
+        "eta_measured": measured,
+        "step_s": rhythm or job.step_s,
+        "range_key": range_key,
+        "ranges": list(RANGES),
+        "chart": chart,
+    }
+    return render(request, "jobs/job_detail.html", context)
+
+
+@require_POST
+@any_role
+def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel a job (owner or operator); an illegal move is explained, not raised."""
+    job = get_object_or_404(Job, pk=pk)
+    try:
+        actions.cancel_job(job, request.user)
+        messages.success(request, f"Cancelled {job.name}.")
+    except IllegalTransition as exc:
+        messages.error(request, str(exc))
+    return redirect("job-detail", pk=pk)
+
+
+# -- operators: the console ---------------------------------------------------------------------
+
+
+def _cluster_map(nodes: list[Node]) -> list[dict[str, Any]]:
+    racks: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for node in nodes:
+        held = {a.gpu_index: a for a in node.allocations.all()}
+        gpus = []
+        for index in range(node.gpu_count):
+            allocation = held.get(index)
+            gpus.append({
+                "index": index,
+                "job": allocation.job.name if allocation else None,
+                "job_id": allocation.job_id if allocation else None,
+                "priority": allocation.job.priority if allocation else None,
+                "borrowed": bool(allocation and allocation.borrowed_from_id),
+            })
+        racks.setdefault(node.rack, {}).setdefault(node.switch, []).append({"node": node, "gpus": gpus})
+    return [{"rack": rack, "switches": [{"switch": s, "nodes": n} for s, n in switches.items()]}
+            for rack, switches in racks.items()]
+
+
+@require_GET
+@any_role
+def console(request: HttpRequest) -> HttpResponse:
+    """The cluster map, planner controls, reservations timeline, utilisation and the queue."""
+    now = timezone.now()
+    allocations = Allocation.objects.select_related("job").order_by("gpu_index")
+    nodes = list(Node.objects.prefetch_related(Prefetch("allocations", allocations)).order_by("rack", "switch", "name"))
+    queue = list(
+        Job.objects.filter(state__in=(JobState.PENDING, JobState.PREEMPTED)).select_related("owner")
+        .order_by("priority", "submitted_at")[:200]
+    )
+    holds = last_holds(job.pk for job in queue)
+    reservations = list(
+        Reservation.objects.select_related("job").filter(
+            Q(end_at__isnull=True) | Q(end_at__gte=now - timedelta(hours=6)), cancelled_at__isnull=True
+        )[:100]
+    )
+    since, until = now - timedelta(hours=6), now + timedelta(hours=18)
+    loans = loans_by_reservation()
+    gantt = [
+        {
+            "name": r.name, "job": r.job.name, "gpus": r.gpus, "spares": r.spares,
+            "windows": [[s.isoformat(), e.isoformat()] for s, e in reservation_windows(r, since, until)],
+            "loans": [{**loan, "since": loan["since"].isoformat(),
+                       "until": loan["until"].isoformat() if loan["until"] else until.isoformat()}
+                      for loan in loans.get(r.pk, [])],
+        }
+        for r in reservations
+    ]
+    control = PlannerControl.load()
+    gpus_total = sum(node.gpu_count for node in nodes)
+    context = {
+        **_page_context(request, "console"),
+        "racks": _cluster_map(nodes),
+        "node_count": len(nodes),
+        "health_counts": _health_counts(nodes),
+        "gpus_total": gpus_total,
+        "gpus_used": sum(len(node.allocations.all()) for node in nodes),
+        "gpus_borrowed": sum(1 for node in nodes for a in node.allocations.all() if a.borrowed_from_id),
+        "queue": [{"job": job, "why": pending_reason(job, holds.get(job.pk)),
+                   "waiting": human_duration((now - job.state_changed_at).total_seconds())} for job in queue],
+        "reservations": reservations,
+        "control": control,
+        "control_form": PlannerControlForm(instance=control),
+        "last_run": PlannerRun.objects.order_by("-started_at").first(),
+        "console_data": {
+            "gantt": gantt, "since": since.isoformat(), "until": until.isoformat(), "now": now.isoformat(),
+            "utilisation": utilisation_series(now - timedelta(hours=24), now), "gpus_total": gpus_total,
+        },
+        "priorities": Priority.choices,
+    }
+    return render(request, "jobs/console.html", context)
+
+
+def _health_counts(nodes: list[Node]) -> list[tuple[str, str, int]]:
+    counts: dict[str, int] = {}
+    for node in nodes:
+        counts[node.state] = counts.get(node.state, 0) + 1
+    return [(state, label, counts[state]) for state, label in Node._meta.get_field("state").choices
+            if counts.get(state)]
+
+
+NODE_ACTIONS: dict[str, tuple[Callable[..., Node], str]] = {
+    "cordon": (actions.cordon_node, "cordoned"),
+    "uncordon": (actions.uncordon_node, "returned to service"),
+    "drain": (actions.drain_node, "draining"),
+    "repair": (actions.mark_node_repaired, "marked repaired"),
+}
+
+
+@require_POST
+@login_required
+def node_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    """Cordon, uncordon, drain or mark repaired: operators only (403 for anyone else)."""
+    if action not in NODE_ACTIONS:
+        raise Http404(f"no node action {action!r}")
+    node = get_object_or_404(Node, pk=pk)
+    do, done = NODE_ACTIONS[action]
+    try:
+        do(node, request.user)
+        messages.success(request, f"{node.name} {done}.")
+    except IllegalTransition as exc:
+        messages.error(request, str(exc))
+    return redirect(f"{_console_url()}#node-{node.name}")
+
+
+def _console_url() -> str:
+    from django.urls import reverse
+
+    return reverse("console")
+
+
+@require_POST
+@login_required
+def planner_control(request: HttpRequest) -> HttpResponse:
+    """Pause/resume, dry run and the knobs; only the fields that changed are applied."""
+    roles.require_operator(request.user, "change the planner's controls")
+    control = PlannerControl.load()
+    before = {name: getattr(control, name) for name in PlannerControlForm.Meta.fields}
+    form = PlannerControlForm(request.POST, instance=PlannerControl.load())
+    if not form.is_valid():
+        messages.error(request, "Planner controls not changed: " + "; ".join(
+            f"{field}: {' '.join(errors)}" for field, errors in form.errors.items()))
+        return redirect(f"{_console_url()}#planner")
+    changes = {name: value for name, value in form.cleaned_data.items() if before[name] != value}
+    if changes:
+        try:
+            actions.set_planner_control(request.user, **changes)
+            messages.success(request, "Planner: " + ", ".join(f"{k} → {v}" for k, v in changes.items()) + ".")
+        except ValidationError as exc:
+            messages.error(request, "; ".join(exc.messages))
+    else:
+        messages.info(request, "Planner controls unchanged.")
+    return redirect(f"{_console_url()}#planner")
 
 
 @login_required
-def dashboard(request: HttpRequest) -> HttpResponse:
-    """Jobs (mine first), the node list and reservations, for any user with a role."""
+def reservation_edit(request: HttpRequest, pk: int | None = None) -> HttpResponse:
+    """Create (pk None) or edit a reservation, with the action's validation on the form."""
     if not roles.has_any_role(request.user):
         return render(request, "jobs/no_role.html", status=403)
-    allocations = Allocation.objects.select_related("node").order_by("node__name", "gpu_index")
-    jobs = (
-        Job.objects.exclude(state__in=TERMINAL_JOB_STATES)
-        .select_related("owner")
-        .prefetch_related(Prefetch("allocations", allocations))
-        .order_by("priority", "-submitted_at")[:200]
+    roles.require_operator(request.user, "create or edit reservations")
+    instance = get_object_or_404(Reservation.objects.select_related("job"), pk=pk) if pk else None
+    form = ReservationForm(request.POST or None, instance=instance)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            if instance is None:
+                actions.create_reservation(request.user, **data)
+                messages.success(request, f"Reservation {data['name']} created.")
+            else:
+                changes = {k: data[k] for k in actions.RESERVATION_EDITABLE if data.get(k) != getattr(instance, k)}
+                if changes:
+                    actions.update_reservation(instance, request.user, **changes)
+                messages.success(request, f"Reservation {instance.name} saved.")
+            return redirect(f"{_console_url()}#reservations")
+        except ValidationError as exc:
+            form.add_action_errors(exc)
+    context = {**_page_context(request, "console"), "form": form, "instance": instance}
+    return render(request, "jobs/reservation_form.html", context, status=400 if form.errors else 200)
+
+
+@require_POST
+@login_required
+def reservation_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    """End a reservation now (operators)."""
+    reservation = get_object_or_404(Reservation, pk=pk)
+    try:
+        actions.cancel_reservation(reservation, request.user)
+        messages.success(request, f"Reservation {reservation.name} cancelled.")
+    except ValidationError as exc:
+        messages.error(request, "; ".join(exc.messages))
+    return redirect(f"{_console_url()}#reservations")
+
+
+# -- auditors: the review -----------------------------------------------------------------------
+
+
+def _audit_queryset(form: AuditFilterForm):
+    return form.filter(ElasticEvent.objects.all())
+
+
+@require_GET
+@audit_reader
+def audit(request: HttpRequest) -> HttpResponse:
+    """The elastic-adjustment log, filtered, newest first, keyset-paginated, chain status on top."""
+    form = AuditFilterForm(request.GET)
+    form.is_valid()
+    queryset = _audit_queryset(form)
+    before = request.GET.get("before")
+    if before and before.isdigit():
+        queryset = queryset.filter(id__lt=int(before))
+    page = list(
+        queryset.select_related("refers_to")
+        .prefetch_related(Prefetch("outcomes", ElasticEvent.objects.order_by("id")))
+        .order_by("-id")[: AUDIT_PAGE_SIZE + 1]
     )
-    nodes = Node.objects.annotate(gpus_used=Count("allocations")).order_by("rack", "switch", "name")
-    state_counts = dict(Job.objects.values_list("state").annotate(n=Count("id")).order_by())
+    has_more = len(page) > AUDIT_PAGE_SIZE
+    page = page[:AUDIT_PAGE_SIZE]
+    query = request.GET.copy()
+    query.pop("before", None)
     context = {
-        "jobs": jobs,
-        "nodes": nodes,
-        "reservations": Reservation.objects.select_related("job").filter(cancelled_at__isnull=True)[:50],
-        "state_counts": [(label, state_counts.get(value, 0)) for value, label in JobState.choices],
-        "gpus_total": sum(n.gpu_count for n in nodes),
-        "gpus_used": Allocation.objects.count(),
-        "roles": sorted(roles.role_names(request.user)),
+        **_page_context(request, "audit"),
+        "form": form,
+        "rows": [{"event": e, "text": describe_event(e), "payload": event_payload(e),
+                  "nodes": compact_nodes(e.nodes_after or e.nodes_before),
+                  "outcomes": [{"event": o, "text": describe_event(o)} for o in e.outcomes.all()]} for e in page],
+        "next_before": page[-1].pk if has_more else None,
+        "query": query.urlencode(),
+        "chain": chain_status(),
+        "filtered": form.active,
+        "paged": bool(before),
     }
-    return render(request, "jobs/dashboard.html", context)
+    return render(request, "jobs/audit.html", context)
+
+
+def chain_status(budget_rows: int = CHAIN_VERIFY_BUDGET_ROWS) -> dict[str, Any]:
+    """Verify the chain incrementally: rows already checked are remembered (their last hash),
+    so each page load checks only what was appended since, at most ``budget_rows`` of it."""
+    state = cache.get(CHAIN_CACHE_KEY) or {"last_id": 0, "last_hash": GENESIS_HASH, "checked": 0, "bad": None}
+    if state["bad"] is None:
+        remaining = budget_rows
+        while remaining > 0:
+            chunk = list(ElasticEvent.objects.filter(id__gt=state["last_id"]).order_by("id")[: min(2000, remaining)])
+            if not chunk:
+                break
+            for event in chunk:
+                if event.prev_hash != state["last_hash"]:
+                    state["bad"] = {"id": event.pk, "problem": "its prev_hash does not match the row before it"}
+                    break
+                if compute_hash(event) != event.hash:
+                    state["bad"] = {"id": event.pk, "problem": "its contents do not match its stored hash"}
+                    break
+                state.update(last_id=event.pk, last_hash=event.hash, checked=state["checked"] + 1)
+            if state["bad"] is not None:
+                break
+            remaining -= len(chunk)
+        cache.set(CHAIN_CACHE_KEY, state, 3600)
+    total = ElasticEvent.objects.count()
+    return {**state, "total": total, "complete": state["bad"] is None and state["checked"] >= total}
+
+
+EXPORT_COLUMNS = (
+    "id", "at", "kind", "job_name", "actor", "planner_run", "command", "refers_to_id", "nodes_before",
+    "nodes_after", "gpus_before", "gpus_after", "dp_before", "dp_after", "accum_before", "accum_after",
+    "global_batch", "reason", "outcome", "prev_hash", "hash",
+)
+
+
+def _export_rows(queryset) -> Iterator[tuple]:
+    """Rows in id order, fetched ``EXPORT_CHUNK_ROWS`` at a time by keyset: flat memory."""
+    last_id = 0
+    while True:
+        chunk = list(queryset.filter(id__gt=last_id).order_by("id").values_list(*EXPORT_COLUMNS)[:EXPORT_CHUNK_ROWS])
+        if not chunk:
+            return
+        yield from chunk
+        last_id = chunk[-1][0]
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if value is not None and not isinstance(value, (str, int, float, bool, list, dict)):
+        return str(value)
+    return value
+
+
+class _Echo:
+    """A file-like object whose write returns the line, for csv.writer in a streaming response."""
+
+    def write(self, value: str) -> str:
+        return value
+
+
+def _csv_lines(queryset) -> Iterator[str]:
+    writer = csv.writer(_Echo())
+    yield writer.writerow(EXPORT_COLUMNS)
+    for row in _export_rows(queryset):
+        yield writer.writerow([
+            json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else ("" if v is None else _plain(v))
+            for v in row
+        ])
+
+
+def _json_chunks(queryset) -> Iterator[str]:
+    yield "["
+    first = True
+    for row in _export_rows(queryset):
+        record = {name: _plain(value) for name, value in zip(EXPORT_COLUMNS, row, strict=True)}
+        yield ("" if first else ",") + "\n" + json.dumps(record, sort_keys=True)
+        first = False
+    yield "\n]\n"
+
+
+@require_GET
+@audit_reader
+def audit_export(request: HttpRequest, fmt: str) -> StreamingHttpResponse:
+    """CSV or JSON of the filtered range, streamed (a million rows never sit in memory)."""
+    form = AuditFilterForm(request.GET)
+    queryset = _audit_queryset(form)
+    stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
+    if fmt == "csv":
+        response = StreamingHttpResponse(_csv_lines(queryset), content_type="text/csv; charset=utf-8")
+    else:
+        response = StreamingHttpResponse(_json_chunks(queryset), content_type="application/json")
+    response["Content-Disposition"] = f'attachment; filename="omni-audit-{stamp}.{fmt}"'
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+# -- static: Plotly from the installed package ---------------------------------------------------
+
+PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+
+@require_GET
+def plotly_js(request: HttpRequest, version: str) -> FileResponse:
+    """Plotly.js straight from the installed ``plotly`` package: no CDN, no 4.6 MB in git.
+
+    The URL carries the package version, so browsers may cache it for a year.
+    """
+    if version != plotly.__version__ or not PLOTLY_JS.exists():
+        raise Http404("no such Plotly build")
+    response = FileResponse(PLOTLY_JS.open("rb"), content_type="text/javascript; charset=utf-8")
+    response["Cache-Control"] = "public, max-age=31536000, immutable"
+    return response
+

@@ -1,0 +1,159 @@
+"""Forms of the live pages: filters (dashboard, audit) and the operator's edits.
+
+Forms only parse and check single fields; cross-field rules live in ``jobs.actions`` so the
+API, the admin and these pages refuse the same things with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django import forms
+from django.core.exceptions import ValidationError
+from django.db.models import Q, TextField
+from django.db.models.functions import Cast
+
+from jobs.models import EventKind, Job, JobState, PlannerControl, Priority, Reservation
+
+STATE_GROUPS = {
+    "active": ("running", "checkpointing", "resizing", "recovering", "pending", "preempted"),
+    "running": ("running", "checkpointing", "resizing", "recovering"),
+    "waiting": ("pending", "preempted"),
+    "finished": ("completed", "failed", "cancelled"),
+}
+
+
+class JobFilterForm(forms.Form):
+    """The dashboard's filters: which jobs, by state group or exact state, class, owner, name."""
+
+    state = forms.ChoiceField(
+        required=False,
+        choices=[("", "Active and waiting"), ("running", "Running"), ("waiting", "Waiting"),
+                 ("finished", "Finished"), ("all", "All")] + [(v, f"= {label}") for v, label in JobState.choices],
+    )
+    priority = forms.ChoiceField(required=False, choices=[("", "Any class"), *Priority.choices])
+    q = forms.CharField(required=False, max_length=128, label="Name contains")
+    mine = forms.ChoiceField(required=False, choices=[("", "Default"), ("1", "Mine"), ("0", "Everyone's")])
+
+    def filter(self, queryset, user, default_mine: bool):
+        """Apply the cleaned filters to a Job queryset."""
+        data = self.cleaned_data if self.is_valid() else {}
+        state = data.get("state") or ""
+        if state in STATE_GROUPS:
+            queryset = queryset.filter(state__in=STATE_GROUPS[state])
+        elif state == "":
+            queryset = queryset.filter(state__in=STATE_GROUPS["active"])
+        elif state != "all":
+            queryset = queryset.filter(state=state)
+        if data.get("priority"):
+            queryset = queryset.filter(priority=data["priority"])
+        if data.get("q"):
+            queryset = queryset.filter(name__icontains=data["q"])
+        mine = data.get("mine", "")
+        if mine == "1" or (mine == "" and default_mine):
+            queryset = queryset.filter(owner=user)
+        return queryset
+
+
+class AuditFilterForm(forms.Form):
+    """The auditor's filters; the same set drives the table and both exports."""
+
+    since = forms.DateTimeField(required=False, label="From (UTC)",
+                                widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    until = forms.DateTimeField(required=False, label="Until (UTC)",
+                                widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    job = forms.CharField(required=False, max_length=128)
+    node = forms.CharField(required=False, max_length=64)
+    kind = forms.MultipleChoiceField(required=False, choices=EventKind.choices,
+                                     widget=forms.SelectMultiple(attrs={"size": 1}))
+    actor = forms.CharField(required=False, max_length=150)
+    planner_run = forms.UUIDField(required=False)
+
+    def filter(self, queryset):
+        """Apply the cleaned filters to an ElasticEvent queryset (invalid filters match nothing)."""
+        if not self.is_valid():
+            return queryset.none()
+        data = self.cleaned_data
+        if data.get("since"):
+            queryset = queryset.filter(at__gte=data["since"])
+        if data.get("until"):
+            queryset = queryset.filter(at__lt=data["until"])
+        if data.get("job"):
+            queryset = queryset.filter(job_name=data["job"])
+        if data.get("node"):
+            # A text match on the JSON lists works the same on PostgreSQL and SQLite.
+            quoted = json.dumps(data["node"])
+            queryset = queryset.annotate(
+                nodes_before_text=Cast("nodes_before", TextField()),
+                nodes_after_text=Cast("nodes_after", TextField()),
+            ).filter(Q(nodes_before_text__contains=quoted) | Q(nodes_after_text__contains=quoted))
+        if data.get("kind"):
+            queryset = queryset.filter(kind__in=data["kind"])
+        if data.get("actor"):
+            queryset = queryset.filter(actor=data["actor"])
+        if data.get("planner_run"):
+            queryset = queryset.filter(planner_run=data["planner_run"])
+        return queryset
+
+    @property
+    def active(self) -> bool:
+        return self.is_valid() and any(self.cleaned_data.get(name) for name in self.fields)
+
+
+class PlannerControlForm(forms.ModelForm):
+    """Pause, dry run and the knobs; only changed fields are sent to set_planner_control."""
+
+    class Meta:
+        model = PlannerControl
+        fields = ["paused", "dry_run", "safety_factor", "min_run_s", "reclaim_grace_s"]
+        labels = {
+            "safety_factor": "Safety factor (x checkpoint time)",
+            "min_run_s": "Minimum run before preemption (s)",
+            "reclaim_grace_s": "Reclaim grace (s)",
+        }
+        widgets = {"safety_factor": forms.NumberInput(attrs={"step": "0.1", "min": "1", "max": "10"})}
+
+
+class ReservationForm(forms.Form):
+    """Create or edit a reservation; a recurring one has both a period and an active span."""
+
+    name = forms.SlugField(max_length=128)
+    job = forms.ModelChoiceField(queryset=Job.objects.filter(priority=Priority.CRITICAL).order_by("name"))
+    gpus = forms.IntegerField(min_value=1)
+    spares = forms.IntegerField(min_value=0, initial=0)
+    start_at = forms.DateTimeField(label="Start (UTC)", widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    end_at = forms.DateTimeField(required=False, label="End (UTC, blank = open)",
+                                 widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    period_s = forms.IntegerField(required=False, min_value=60, label="Repeats every (s)")
+    active_s = forms.IntegerField(required=False, min_value=1, label="Active for (s) of each period")
+
+    def __init__(self, *args: Any, instance: Reservation | None = None, **kwargs: Any):
+        self.instance = instance
+        if instance is not None and "initial" not in kwargs:
+            kwargs["initial"] = {
+                "name": instance.name, "job": instance.job_id, "gpus": instance.gpus, "spares": instance.spares,
+                "start_at": instance.start_at.strftime("%Y-%m-%dT%H:%M"),
+                "end_at": instance.end_at.strftime("%Y-%m-%dT%H:%M") if instance.end_at else None,
+                "period_s": instance.period_s, "active_s": instance.active_s,
+            }
+        super().__init__(*args, **kwargs)
+        if instance is not None:
+            # Name and job identify a reservation; editing changes its size and windows only.
+            self.fields["name"].disabled = True
+            self.fields["job"].disabled = True
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if (data.get("period_s") is None) != (data.get("active_s") is None):
+            raise ValidationError("A recurring reservation needs both 'repeats every' and 'active for'.")
+        return data
+
+    def add_action_errors(self, error: ValidationError) -> None:
+        """Show an action's ValidationError on the fields it names (or on the form)."""
+        if hasattr(error, "error_dict"):
+            for field, messages in error.message_dict.items():
+                self.add_error(field if field in self.fields else None, messages)
+        else:
+            self.add_error(None, error.messages)
+
