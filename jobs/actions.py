@@ -1066,10 +1066,16 @@ def _expire(command: Command, why: str) -> None:
 
 @transaction.atomic
 def record_agent_hello(node: Node, workers: list[dict[str, Any]]) -> list[Command]:
-    """An agent (re)connected: note it alive and fence any worker it runs for a job that is no
-    longer placed on it (a node back from failure must not keep training a moved job)."""
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    """An agent (re)connected: note it alive and fence its stray workers."""
     Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
+    return fence_stray_workers(node, workers)
+
+
+@transaction.atomic
+def fence_stray_workers(node: Node, workers: list[dict[str, Any]]) -> list[Command]:
+    """Stop any worker the agent runs for a job no longer placed on its node (a node back from a
+    failure, or cut off for a while, must not keep training a job that moved on)."""
+    node = Node.objects.select_for_update().get(pk=node.pk)
     placed = set(Allocation.objects.filter(node=node).values_list("job__name", flat=True))
     fenced: list[Command] = []
     open_stops = set(
@@ -1085,6 +1091,9 @@ def record_agent_hello(node: Node, workers: list[dict[str, Any]]) -> list[Comman
             continue
         fenced.append(Command.objects.create(node=node, job=job, kind=CommandKind.STOP,
                                              payload={"job": name, "leader": False, "kill": True}))
+        control_logger.warning("fencing %s on %s: the job is not placed there", name, node.name)
+    if fenced:
+        _dispatch_on_commit({node.id})
     return fenced
 
 
@@ -1103,6 +1112,10 @@ def record_heartbeat(node: Node, workers: list[dict[str, Any]]) -> None:
                              reason={"rule": "heartbeat", "text": f"{node.name} answered heartbeats again; "
                                      "healthy.", "inputs": {"node": node.name, "from": "suspect"}})
     placed = set(Allocation.objects.filter(node=node).values_list("job_id", flat=True))
+    placed_names = set(Job.objects.filter(id__in=placed).values_list("name", flat=True))
+    strays = [w for w in workers if w.get("state") not in ("member", "exited") and w.get("job") not in placed_names]
+    if strays:
+        fence_stray_workers(node, strays)
     for worker in workers:
         step = worker.get("checkpoint_step")
         name = worker.get("job")
