@@ -42,7 +42,18 @@ def _control_loop_tasks() -> list[PeriodicTask]:
     ]
 
 
-PERIODIC_TASKS: list[PeriodicTask] = [*_control_loop_tasks()]
+def _telemetry_tasks() -> list[PeriodicTask]:
+    # Telemetry rollups and partition upkeep (docs/telemetry.md); both idempotent.
+    from django.conf import settings
+
+    rollup_s = settings.OMNI_TELEMETRY_ROLLUP_INTERVAL_S
+    return [
+        PeriodicTask("telemetry.roll_up", rollup_s, Queue.TELEMETRY, expires_s=rollup_s),
+        PeriodicTask("telemetry.maintain_partitions", 600.0, Queue.TELEMETRY, expires_s=600.0),
+    ]
+
+
+PERIODIC_TASKS: list[PeriodicTask] = [*_control_loop_tasks(), *_telemetry_tasks()]
 
 
 def setup_periodic_tasks(app) -> None:
