@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-steps", type=int, default=None, help="length of the lr schedule (default --steps, or the checkpoint's)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="fp16 uses a loss scaler")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="autocast dtype; fp16 uses a loss scaler (default fp32, or the checkpoint's)")
     p.add_argument("--prefetch-steps", type=int, default=3, help="steps of batches prepared ahead")
     p.add_argument("--model", choices=("tiny", "small"), default=None, help="model preset (default tiny, or the checkpoint's)")
     p.add_argument("--max-dp", type=int, default=64, help="refuse a larger --dp")
@@ -96,6 +96,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.model and saved_model and args.model != saved_model:
         fail(f"--model {args.model} differs from the checkpoint's {saved_model}")
     model = args.model or saved_model or "tiny"
+    precision = args.precision or manifest.get("precision") or "fp32"
     if global_batch < 1 or micro_batch < 1:
         fail(f"global batch ({global_batch}) and micro-batch ({micro_batch}) must be positive")
     validate_dp(args.dp, global_batch, micro_batch, args.max_dp)
@@ -112,7 +113,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint_every": max(1, args.checkpoint_every), "keep": max(1, args.keep), "balance": args.balance,
         "async_save": args.async_save, "calibration_steps": max(0, args.calibration_steps),
         "calibration_start_fraction": args.calibration_start_fraction, "schedule_steps": schedule_steps,
-        "base_lr": args.lr, "warmup_steps": args.warmup_steps, "precision": args.precision,
+        "base_lr": args.lr, "warmup_steps": args.warmup_steps, "precision": precision,
         "prefetch_steps": max(1, args.prefetch_steps), "model": model,
     }
 

@@ -391,7 +391,7 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
             "model_config": model_config.as_dict(),
             "run": {"schedule_steps": config.schedule_steps, "base_lr": config.base_lr, "warmup_steps": config.warmup_steps},
         }
-        manifest_extra = {"batch": payload["batch"], "seed": config.seed, "model": config.model, **payload["run"]}
+        manifest_extra = {"batch": payload["batch"], "seed": config.seed, "model": config.model, "precision": config.precision, **payload["run"]}
         if writer is not None:
             blocked_s = writer.submit(payload, step, manifest_extra)
             return {"checkpoint": checkpoint_name(step), "save_blocked_s": blocked_s}
