@@ -784,6 +784,8 @@ def run_planner_pass(trigger: str = "beat", now: datetime | None = None) -> Pass
         "actions": [a.to_audit() for a in result.actions][:100] if control.dry_run else [],
     }
     run.save(update_fields=["finished_at", "duration_ms", "actions", "applied", "summary"])
+    if settings.OMNI_PLANNER_PASS_HOLD_S and outcome.applied:
+        _time.sleep(settings.OMNI_PLANNER_PASS_HOLD_S)  # fault injection (tests only)
     _dispatch_on_commit(touched)
     return outcome
 
@@ -801,7 +803,7 @@ def claim_commands_for_dispatch(node_id: int, *, include_sent: bool = False) -> 
     out: list[Command] = []
     states = [CommandState.PENDING, CommandState.SENT] if include_sent else [CommandState.PENDING]
     for command in (
-        Command.objects.select_for_update().filter(node_id=node_id, state__in=states)
+        Command.objects.select_for_update(of=("self",)).filter(node_id=node_id, state__in=states)
         .select_related("job").order_by("created_at")
     ):
         if command.state == CommandState.PENDING:
@@ -836,7 +838,7 @@ def _own_command(node: Node, command_id: str) -> Command:
     except ValueError:
         raise UnknownCommand(f"{command_id!r} is not a command id") from None
     try:
-        return Command.objects.select_for_update().select_related("job").get(pk=key, node=node)
+        return Command.objects.select_for_update(of=("self",)).select_related("job").get(pk=key, node=node)
     except Command.DoesNotExist:
         raise UnknownCommand(f"no command {command_id} for node {node.name}") from None
 
@@ -1009,7 +1011,7 @@ def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
     counts = {"retried": 0, "expired": 0, "killed": 0}
     timeout = timedelta(seconds=settings.OMNI_COMMAND_ACK_TIMEOUT_S)
     retry_nodes: set[int] = set()
-    overdue = Command.objects.select_for_update().filter(state=CommandState.SENT, sent_at__lt=now - timeout)
+    overdue = Command.objects.select_for_update(of=("self",)).filter(state=CommandState.SENT, sent_at__lt=now - timeout)
     for command in overdue.select_related("node", "job"):
         if command.attempts < settings.OMNI_COMMAND_MAX_ATTEMPTS:
             command.transition_to(CommandState.PENDING)
@@ -1019,7 +1021,7 @@ def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
         else:
             _expire(command, f"not acknowledged after {command.attempts} attempts")
             counts["expired"] += 1
-    late = Command.objects.select_for_update().filter(
+    late = Command.objects.select_for_update(of=("self",)).filter(
         kind=CommandKind.PREEMPT, state__in=OPEN_COMMAND_STATES, deadline_at__lt=now
     )
     for command in late.select_related("node", "job"):

@@ -63,6 +63,9 @@ try:
     OMNI_COMMAND_MAX_ATTEMPTS = env_int("OMNI_COMMAND_MAX_ATTEMPTS", 3, minimum=1)
     # Planner knob overrides as JSON, e.g. {"startup_s": 2, "reclaim_margin_s": 2} (tests, demo).
     OMNI_PLANNER_OVERRIDES = env_json_object("OMNI_PLANNER_OVERRIDES")
+    # Fault injection for the control-loop tests: hold each planner pass's transaction open
+    # this long after applying, so a test can kill the worker mid-pass. Always 0 in production.
+    OMNI_PLANNER_PASS_HOLD_S = env_float("OMNI_PLANNER_PASS_HOLD_S", 0.0, minimum=0.0)
     # Run the periodic tasks in-process (embedded mode) instead of Celery beat.
     OMNI_INPROCESS_LOOP = env_bool("OMNI_INPROCESS_LOOP", default=REDIS_URL is None)
     # --- telemetry (docs/telemetry.md) -------------------------------------------------------
