@@ -19,7 +19,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from telemetry.models import RollupWatermark
-from telemetry.partitions import ensure_partitions, retention_for
+from telemetry.partitions import ensure_partitions, list_partitions, retention_for
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,20 @@ def roll_up_window(series: Series, level: str, start: datetime, end: datetime) -
         return max(cursor.rowcount, 0)
 
 
+def _oldest_raw(series: Series) -> datetime | None:
+    """Where a first pass starts: the oldest raw partition (PostgreSQL) or row (SQLite)."""
+    if connection.vendor == "postgresql":
+        found = list_partitions(series.raw_table)
+        return found[0][1] if found else None
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT min(at) FROM {series.raw_table}")
+        oldest = cursor.fetchone()[0]
+    if oldest is None:
+        return None
+    oldest = datetime.fromisoformat(str(oldest))
+    return oldest if oldest.tzinfo else oldest.replace(tzinfo=UTC)
+
+
 def roll_up(now: datetime | None = None) -> RollupReport:
     """One pass over every series and level (the periodic ``telemetry.roll_up`` task)."""
     now = now or datetime.now(UTC)
@@ -130,12 +144,12 @@ def roll_up(now: datetime | None = None) -> RollupReport:
         for level in ("minute", "hour"):
             label = f"{series.name}-{level}"
             mark = RollupWatermark.objects.filter(level=label).values_list("rolled_until", flat=True).first()
-            if level == "minute":
-                end = _floor(now, "minute")
-                start = (mark - grace) if mark else _floor(now - raw_keep, "minute")
+            if mark is None:
+                oldest = _oldest_raw(series)
+                start = oldest if oldest is not None else now
             else:
-                end = _floor(now - grace, "hour")
-                start = mark if mark else _floor(now - raw_keep, "hour")
+                start = mark - grace if level == "minute" else mark
+            end = _floor(now, "minute") if level == "minute" else _floor(now - grace, "hour")
             start = max(_floor(start, level), _floor(now - raw_keep, level))
             end = min(end, start + MAX_CATCHUP[level])
             if end <= start:
