@@ -27,6 +27,9 @@ PRIORITY_CLASSES = ("critical", "regular", "best_effort")
 CLASS_COLOURS = {"critical": "#d62728", "regular": "#1f77b4", "best_effort": "#2ca02c"}
 POLICY_DASHES = ("solid", "dash", "dot", "dashdot")
 
+# How a Gantt bar ended, when the simulator says so (segments' ``end``): marked with a cross.
+SEGMENT_MARKS = {"preempted": ("preemption", "black"), "killed": ("killed (no checkpoint)", "#b00"),
+                 "fault": ("node fault", "#f80")}
 # Event kinds after which a job holds no GPUs against its will (marked on the Gantt).
 PREEMPTION_KINDS = frozenset({"preempt", "kill", "reclaim", "evict"})
 # Event kinds whose job loses every GPU (closing its bar) unless the event says otherwise.
@@ -38,10 +41,15 @@ MAX_GANTT_JOBS = 150
 METRIC_COLUMNS = (
     ("utilization", "utilization", "pct"),
     ("reservation_shortfall", "reservation shortfall", "pct"),
+    ("reservation_shortfall_faults_aside", "shortfall, faults aside", "pct"),
     ("preemptions", "preemptions", "int"),
     ("graceful_preemptions", "graceful preemptions", "int"),
     ("lost_gpu_s", "lost GPU-s", "num"),
     ("invariant_violations", "invariant violations", "count"),
+    ("useful_gpu_s", "useful GPU-s", "num"),
+    ("healthy_gpu_s", "healthy GPU-s", "num"),
+    ("planner_calls", "planner calls", "int"),
+    ("wall_s", "simulation wall s", "num"),
 )
 
 
@@ -217,6 +225,14 @@ def _horizon(result: Mapping[str, Any]) -> float:
     return max(ends + events + [0.0])
 
 
+def healthy_series(result: Mapping[str, Any]) -> list[float] | None:
+    """Healthy GPUs at each timeline sample (thinned like ``class_series``), if recorded."""
+    timeline = [sample for sample in result.get("timeline") or [] if isinstance(sample, Mapping)]
+    if not timeline or not all("healthy_gpus" in sample for sample in timeline):
+        return None
+    return [float(sample["healthy_gpus"]) for sample in _thin(timeline)]
+
+
 def class_series(result: Mapping[str, Any]) -> tuple[list[float], dict[str, list[float]], dict[str, list[float]] | None]:
     """Sample times, allocated GPUs per class, and useful GPUs per class (None if not recorded)."""
     timeline = [sample for sample in result.get("timeline") or [] if isinstance(sample, Mapping)]
@@ -265,16 +281,23 @@ def gpu_time_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
             colour = CLASS_COLOURS[priority]
             if useful is not None:
                 figure.add_trace(go.Scatter(
-                    x=hours, y=useful[priority], name=f"{policy} useful {priority}", legendgroup=f"useful-{priority}",
+                    x=hours, y=useful[priority], name=f"useful {priority}", legendgroup=f"useful-{priority}",
                     stackgroup=f"useful-{row}", line={"shape": "hv", "width": 0.5, "color": colour},
-                    showlegend=row == 1, hovertemplate="%{y:.0f} GPUs useful at %{x:.2f} h",
+                    showlegend=row == 1, hovertemplate=f"{policy}: %{{y:.0f}} GPUs useful at %{{x:.2f}} h",
                 ), row=row, col=1)
             figure.add_trace(go.Scatter(
-                x=hours, y=allocated[priority], name=f"{policy} allocated {priority}",
+                x=hours, y=allocated[priority], name=f"allocated {priority}",
                 legendgroup=f"allocated-{priority}", stackgroup=f"allocated-{row}",
                 fill="none" if useful is not None else "tonexty",
                 line={"shape": "hv", "width": 1.5, "dash": "dot", "color": colour},
-                showlegend=row == 1, hovertemplate="%{y:.0f} GPUs allocated at %{x:.2f} h",
+                showlegend=row == 1, hovertemplate=f"{policy}: %{{y:.0f}} GPUs allocated at %{{x:.2f}} h",
+            ), row=row, col=1)
+        healthy = healthy_series(result)
+        if healthy is not None and len(healthy) == len(hours):
+            figure.add_trace(go.Scatter(
+                x=hours, y=healthy, name="healthy GPUs", legendgroup="healthy", showlegend=row == 1,
+                line={"shape": "hv", "width": 1, "color": "black"},
+                hovertemplate=f"{policy}: %{{y:.0f}} healthy GPUs at %{{x:.2f}} h",
             ), row=row, col=1)
         figure.update_yaxes(title_text="GPUs", row=row, col=1)
     figure.update_xaxes(title_text="hours", row=len(results), col=1)
@@ -354,16 +377,35 @@ def _gantt_jobs(result: Mapping[str, Any], segments: Mapping[str, list[tuple[flo
         return sum((end - start) * gpus for start, end, gpus in segments.get(name, []))
 
     names = [name for name in segments if segments[name]]
-    names.sort(key=lambda n: (rank.get(classes.get(n, "regular"), 3), -len(preempted.get(n, [])), -gpu_s(n), n))
+    def losses(name: str) -> int:
+        return sum(len(times) for times in preempted.get(name, {}).values())
+
+    names.sort(key=lambda n: (rank.get(classes.get(n, "regular"), 3), -losses(n), -gpu_s(n), n))
     chosen = names[:MAX_GANTT_JOBS]
     return sorted(chosen, key=lambda n: (rank.get(classes.get(n, "regular"), 3), min(s for s, _, _ in segments[n]), n))
 
 
-def _preemptions(result: Mapping[str, Any]) -> dict[str, list[float]]:
-    marks: dict[str, list[float]] = {}
+def _preemptions(result: Mapping[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Per job, the times it lost its GPUs by kind: ``preempted`` (graceful), ``killed``, ``fault``.
+
+    Read from the bars' ``end`` when the simulator gives segments, else from the event log.
+    """
+    marks: dict[str, dict[str, list[float]]] = {}
+    from_segments = False
+    for job in result.get("jobs", []):
+        for segment in job.get("segments") or []:
+            if not isinstance(segment, Mapping):
+                continue
+            from_segments = True
+            end = segment.get("end")
+            if end in SEGMENT_MARKS and segment.get("end_s") is not None:
+                marks.setdefault(str(job["name"]), {}).setdefault(str(end), []).append(float(segment["end_s"]))
+    if from_segments:
+        return marks
     for event in result.get("events", []) or []:
         if event.get("kind") in PREEMPTION_KINDS and event.get("job"):
-            marks.setdefault(str(event["job"]), []).append(float(event.get("t", 0.0)))
+            kind = "preempted" if event.get("graceful", True) else "killed"
+            marks.setdefault(str(event["job"]), {}).setdefault(kind, []).append(float(event.get("t", 0.0)))
     return marks
 
 
@@ -385,6 +427,7 @@ def gantt_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
     heights = [max(len(jobs), 1) for _, _, _, jobs in panels]
     figure = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, subplot_titles=titles,
                            row_heights=[h / sum(heights) for h in heights], vertical_spacing=0.04)
+    shown_marks: set[str] = set()
     for row, (result, segments, preempted, jobs) in enumerate(panels, start=1):
         classes = _job_classes(result)
         for priority in PRIORITY_CLASSES:
@@ -403,16 +446,19 @@ def gantt_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
                     legendgroup=f"gantt-{priority}", showlegend=row == 1, marker_color=CLASS_COLOURS[priority],
                     hovertext=texts, hoverinfo="text+x",
                 ), row=row, col=1)
-        marks_y, marks_x = [], []
-        for name in jobs:
-            for t in preempted.get(name, []):
-                marks_y.append(name)
-                marks_x.append(t / 3600.0)
-        if marks_x:
-            figure.add_trace(go.Scatter(
-                x=marks_x, y=marks_y, mode="markers", name="preemption", legendgroup="preemption",
-                showlegend=row == 1, marker={"symbol": "x", "color": "black", "size": 8},
-            ), row=row, col=1)
+        for kind, (label, colour) in SEGMENT_MARKS.items():
+            marks_y, marks_x = [], []
+            for name in jobs:
+                for t in preempted.get(name, {}).get(kind, []):
+                    marks_y.append(name)
+                    marks_x.append(t / 3600.0)
+            if marks_x:
+                figure.add_trace(go.Scatter(
+                    x=marks_x, y=marks_y, mode="markers", name=label, legendgroup=f"mark-{kind}",
+                    showlegend=kind not in shown_marks, marker={"symbol": "x", "color": colour, "size": 8},
+                    hovertemplate=f"{label} at %{{x:.2f}} h",
+                ), row=row, col=1)
+                shown_marks.add(kind)
         figure.update_yaxes(type="category", categoryorder="array", categoryarray=list(reversed(jobs)),
                             showticklabels=len(jobs) <= 60, row=row, col=1)
     figure.update_xaxes(title_text="hours", row=len(panels), col=1)

@@ -48,9 +48,10 @@ def test_report_has_every_chart_and_the_metrics(tmp_path: Path) -> None:
     write_html([fake_result(policy) for policy in POLICIES], path)
     page = path.read_text()
     assert page.count('class="plotly-graph-div"') == 3
-    for name in ("omni useful critical", "static allocated regular", "entitled", "kill_preempt delivered",
-                 "critical running", "preemption"):
+    for name in ("useful critical", "allocated regular", "allocated best_effort", "entitled",
+                 "kill_preempt delivered", "critical running", "preemption"):
         assert f'"name":"{name}"' in page, name
+    assert page.count('"name":"allocated critical"') == 3  # one panel per policy
     assert '<table id="metrics">' in page
     assert "61.00%" in page and "example breach" in page
 
@@ -73,6 +74,35 @@ def test_report_rebuilds_allocation_from_events_without_a_timeline(tmp_path: Pat
     path = tmp_path / "report.html"
     write_html(results, path)
     page = path.read_text()
-    assert '"name":"omni allocated critical"' in page
+    assert '"name":"allocated critical"' in page
     assert '"name":"critical running"' in page
     assert "No data for this chart" in page  # no entitlement samples without a timeline
+
+
+HARVEST = {
+    "name": "report-harvest", "horizon_s": 14400, "seed": 1,
+    "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 4, "gpus_per_node": 8},
+    "jobs": [
+        {"name": "pretrain", "priority": "critical", "submit_s": 3600, "tp": 8, "dp": 2, "global_batch": 256,
+         "micro_batch": 4, "total_steps": 1500, "step_s": 5.0,
+         "checkpoint": {"every_steps": 100, "save_s": 20, "load_s": 40}},
+        {"name": "ablation", "priority": "best_effort", "tp": 8, "dp": 2, "dp_min": 1, "dp_max": 4,
+         "global_batch": 128, "micro_batch": 4, "total_steps": 4000, "step_s": 3.0,
+         "checkpoint": {"every_steps": 50, "save_s": 10, "load_s": 20}},
+    ],
+    "reservations": [{"name": "pretrain-res", "job": "pretrain", "gpus": 16, "start_s": 3600}],
+}
+
+
+def test_report_of_a_real_simulation(tmp_path: Path) -> None:
+    from jobs.simulator import parse_scenario, simulate
+
+    scenario = parse_scenario(HARVEST)
+    results = [simulate(scenario, policy) for policy in POLICIES]
+    path = tmp_path / "report.html"
+    write_html(results, path)
+    page = path.read_text()
+    assert page.count('class="plotly-graph-div"') == 3
+    assert '"name":"omni delivered"' in page and '"name":"healthy GPUs"' in page
+    assert '"y":["pretrain"' in page or '"pretrain"' in page
+    assert not re.search(r"<script[^>]*\bsrc=", page)
