@@ -1202,7 +1202,8 @@ def mark_node_failed(node: Node, silence_s: float) -> Node:
         command.error = "node failed"
         command.transition_to(CommandState.EXPIRED)
         command.save(update_fields=["state", "finished_at", "error"])
-    for job in Job.objects.select_for_update().filter(allocations__node=node).distinct():
+    job_ids = set(Allocation.objects.filter(node=node).values_list("job_id", flat=True))
+    for job in Job.objects.select_for_update().filter(pk__in=job_ids).order_by("pk"):
         if job.state in (JobState.RUNNING, JobState.CHECKPOINTING, JobState.RESIZING):
             _to_recovering(job, "system", f"{node.name} failed under {job.name}", kind=EventKind.NODE_FAILED)
     _trigger_plan("node_failed")
