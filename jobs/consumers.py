@@ -82,6 +82,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 await self.close(code=protocol.CLOSE_PROTOCOL_ERROR)
             return
         self.bad_frames = 0
+        if frame["type"] == protocol.HEARTBEAT:
+            # Re-join the node's group on every heartbeat: a Redis restart forgets group
+            # membership, and commands must find this socket again without a reconnect.
+            try:
+                await self.channel_layer.group_add(self.group, self.channel_name)
+            except Exception:
+                logger.warning("could not re-join %s on the channel layer", self.group)
         if frame["type"] == protocol.HELLO:
             await self.on_hello(frame)
             return

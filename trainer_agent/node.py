@@ -505,6 +505,7 @@ class NodeAgent:
         self.queue_control({"type": protocol.ACK, "command": command_id})
         if command_id in self.applied:
             done = self.applied[command_id]
+            logger.info("duplicate command %s ignored (re-acked%s)", command_id, ", outcome re-sent" if done else "")
             if done is not None:
                 self.queue_control(done)  # the server missed our answer: send it again
             return
@@ -512,6 +513,8 @@ class NodeAgent:
         kind = frame.get("kind")
         payload = frame.get("payload") or {}
         job = frame.get("job") or payload.get("job")
+        logger.info("applying command %s on %s: %s %s (attempt %s)", command_id, self.node, kind, job,
+                    frame.get("attempt"))
         try:
             if not payload.get("leader", True):
                 await self._member(command_id, kind, job, payload)
