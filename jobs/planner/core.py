@@ -61,6 +61,10 @@ def plan(snapshot: Snapshot, now_s: float, config: PlannerConfig | None = None) 
     return PlanningPass(snapshot, now_s, config or PlannerConfig()).run()
 
 
+def _replicas(n: int) -> str:
+    return f"{n} replica" if n == 1 else f"{n} replicas"
+
+
 def _fmt_t(t: float) -> str:
     return "never" if t == INFINITY else f"t={t:.0f}s"
 
@@ -92,14 +96,18 @@ class PlanningPass:
         self.soon_free_by: dict[str | None, list[str]] = {}
         for cmd in sorted(snapshot.commands, key=lambda c: c.id):
             job = self.jobs.get(cmd.job)
-            if job is None or cmd.kind not in RELEASING_COMMANDS:
+            if job is None:
                 continue
-            for g in job.gpus:
+            releases = cmd.releases or (job.gpus if cmd.kind in RELEASING_COMMANDS else ())
+            for g in releases:
+                node = self.nodes.get(g.node)
+                if node is None or node.health not in PLACEABLE_HEALTH:
+                    continue
                 zone = self.view.zone(g)
                 self.soon_free[zone] = self.soon_free.get(zone, 0) + 1
-            self.soon_free_by.setdefault(None, []).append(job.name)
+                self.soon_free_by.setdefault(zone, []).append(job.name)
         self.capacity_blocked_rank = 99
-        self.victim_failed_at: dict[tuple[int, bool], int] = {}
+        self.victim_failed_at: dict[tuple[int, int, bool, bool], int] = {}
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -432,25 +440,34 @@ class PlanningPass:
             return
         if self._try_place(job, preferred, 0, [], anchor, kind, entitled):
             return
-        # (c) GPUs already on their way back to the queue.
-        need = preferred * rep
-        zones = self._zones_for(job, preferred)
+        # (c) GPUs already on their way back to the queue: wait for them rather than take more.
+        wait_dp = preferred if (job.priority == "critical" or recovering) else dps[-1]
+        need = wait_dp * rep
+        zones = self._zones_for(job, wait_dp)
         free_total = self._free_total(zones)
         soon = sum(self.soon_free.get(z, 0) for z in zones)
         if free_total + soon >= need and soon > 0:
             self._claim_soon_free(zones, need - free_total)
+            self._claim_free(job, zones, free_total)
             names = sorted({n for z in zones for n in self.soon_free_by.get(z, [])})
             self._hold(job, "waiting_for_release",
                        f"Waiting for {need - free_total} GPUs that {', '.join(names[:5]) or 'other jobs'} "
-                       f"are saving and releasing; then it starts on {preferred} replicas.",
+                       f"are saving and releasing; then it starts on {_replicas(wait_dp)}.",
                        gpus_needed=need, gpus_free=free_total, gpus_returning=soon)
             return
-        # (d) Take GPUs from cheaper victims (rule 4).
-        if self._try_victims(job, preferred, zones, rank, forced, kind, entitled):
-            return
-        # (e) A smaller batch-exact size on what is free (elastic start; grows later).
+        need = preferred * rep
+        # (d) Critical work takes GPUs from cheaper victims at its preferred size (rule 4);
+        # (e) others first start smaller on what is free (they grow later), and only then take
+        # GPUs from victims, for their smallest batch-exact size.
+        if job.priority == "critical" or recovering:
+            if self._try_victims(job, preferred, zones, rank, forced, kind, entitled):
+                return
         for d in dps[1:]:
             if self._try_place(job, d, 0, [], anchor, kind, entitled):
+                return
+        if job.priority != "critical" and not recovering:
+            smallest = dps[-1]
+            if self._try_victims(job, smallest, self._zones_for(job, smallest), rank, forced, kind, entitled):
                 return
         # (f) Hold, saying why.
         self.capacity_blocked_rank = min(self.capacity_blocked_rank, PRIORITY_RANK[job.priority])
@@ -467,7 +484,7 @@ class PlanningPass:
                     f"({needed_s:.0f}s: start-up, load, {self.config.min_loan_steps} steps, save)"
                 )
         text = (
-            f"Pending: needs {need} GPUs ({preferred} replicas of {rep}; at least {min_need}) and "
+            f"Pending: needs {need} GPUs ({_replicas(preferred)} of {rep}; at least {min_need}) and "
             f"{free_total} usable GPUs are free"
         )
         if lend_notes:
@@ -481,6 +498,16 @@ class PlanningPass:
         self._hold(job, "capacity", text + ".", gpus_needed=need, gpus_min=min_need,
                    gpus_free=free_total, waited_s=round(waited_s(job, self.now), 1),
                    effective_rank=rank)
+
+    def _claim_free(self, job: Job, zones: dict[str | None, int | None], n: int) -> None:
+        """Keep up to ``n`` free GPUs for ``job`` for the rest of this pass (it waits for more)."""
+        claimed: list[Gpu] = []
+        for node, idx in sorted(self.view.candidates(zones).items()):
+            for i in idx:
+                if len(claimed) >= n:
+                    break
+                claimed.append(Gpu(node, i))
+        self.view.take(f"<claimed by {job.name}>", claimed)
 
     def _claim_soon_free(self, zones: Iterable[str | None], n: int) -> None:
         for z in zones:
@@ -548,7 +575,7 @@ class PlanningPass:
                     window_notes.append(f"'{z}' needs them in {window_s:.0f}s and this job needs a window "
                                         f"of {needed_s:.0f}s (start-up, load, {self.config.min_loan_steps} "
                                         f"steps, save)")
-            text = (f"Started on {dp} replicas ({len(after)} GPUs, {spread.describe()}) using reserved "
+            text = (f"Started on {_replicas(dp)} ({len(after)} GPUs, {spread.describe()}) using reserved "
                     f"GPUs nobody is using now: {'; '.join(window_notes)}. The loan ends "
                     f"{_fmt_t(loan_end)}, and the job will be asked to save ahead of it.")
             inputs["loan_ends_s"] = loan_end
@@ -557,12 +584,12 @@ class PlanningPass:
             kind_out = "recover"
             rule = "faults"
             text = (f"Recovering from a fault: restarts from step {job.last_checkpoint_step} on {dp} "
-                    f"replicas ({spread.describe()}), nearest to where it ran.")
+                    f"replica(s) ({spread.describe()}), nearest to where it ran.")
         else:
             kind_out = "place"
             rule = "entitlement" if entitled else "placement"
             who = "its reservation is active" if entitled else f"{len(after)} GPUs were free"
-            text = f"Started on {dp} replicas ({len(after)} GPUs, {spread.describe()}): {who}."
+            text = f"Started on {_replicas(dp)} ({len(after)} GPUs, {spread.describe()}): {who}."
         if dp != job.dp:
             text += (f" Runs at dp {dp} instead of {job.dp} with accumulation {accum_steps(job, dp)}, "
                      f"keeping the global batch {job.global_batch}.")
@@ -581,7 +608,7 @@ class PlanningPass:
         aged = job.priority == "regular" and is_aged(job, self.now, self.config)
         if rank >= PRIORITY_RANK["best_effort"] and not forced:
             return False
-        key = (rank, forced)
+        key = (PRIORITY_RANK[job.priority], rank, forced, aged)
         need = dp * job.tp * job.pp
         if self.victim_failed_at.get(key, 1 << 30) <= need:
             return False
@@ -641,9 +668,10 @@ class PlanningPass:
             return self._try_place(job, dp, 0, [], [], kind, entitled)
         soon_gpus = sum(len(o.freed) for o in options)
         self._claim_soon_free(zones, soon_gpus)
+        self._claim_free(job, zones, need)
         self._hold(job, "waiting_for_release",
                    f"Waiting for {soon_gpus} GPUs that {', '.join(names)} are saving and releasing; "
-                   f"then it starts on {dp} replicas.",
+                   f"then it starts on {_replicas(dp)}.",
                    gpus_needed=need, victims=names)
         return True
 

@@ -186,12 +186,18 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A command already sent to a job's agent and not yet acknowledged as done."""
+    """A command already sent to a job's agent and not yet acknowledged as done.
+
+    ``releases`` lists the GPUs the job will give back once the command completes (all of
+    them for a preemption, the dropped replicas for a shrink), so a pass can count them as
+    on their way instead of taking more victims.
+    """
 
     id: str
     job: str
     kind: str
     deadline_s: float | None = None
+    releases: tuple[Gpu, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +285,9 @@ def snapshot_from_dict(d: dict[str, Any]) -> Snapshot:
         nodes=tuple(node_from_dict(n) for n in d["nodes"]),
         jobs=tuple(job_from_dict(j) for j in d["jobs"]),
         reservations=tuple(reservation_from_dict(r) for r in d.get("reservations", ())),
-        commands=tuple(Command(**c) for c in d.get("commands", ())),
+        commands=tuple(
+            Command(**{**c, "releases": tuple(gpu_from(g) for g in c.get("releases", ()))})
+            for c in d.get("commands", ())
+        ),
         paused=bool(d.get("paused", False)),
     )

@@ -47,6 +47,10 @@ def protected_by_min_run(job: Job, now_s: float) -> bool:
 
 
 def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple:
-    """Sort key for waiting jobs: tier (entitled, recovering...), aged class, wait, name."""
+    """Sort key for waiting jobs: tier (entitled, recovering...), aged class, class, wait, name.
+
+    An aged job moves up among the jobs of the class it aged into but stays behind the jobs
+    that belong to that class by right when both have the same standing.
+    """
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
-    return (tier, effective_rank(job, now_s, config), since, job.name)
+    return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority], since, job.name)

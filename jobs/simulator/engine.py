@@ -145,6 +145,7 @@ class SimJob:
     cached: Job | None = None
     cached_version: int = -1
     cmd_seq: int = 0
+    repace: bool = False
 
     @property
     def rep(self) -> int:
@@ -444,9 +445,8 @@ class Simulation:
         if job.committed >= spec.total_steps:
             self._complete(job)
             return
-        if job.op is not None and job.op.kind == "repace":
-            job.op = None
-        elif job.op is not None:
+        job.repace = False
+        if job.op is not None:
             self._stop_save_or_execute(job)
             return
         if job.committed % spec.checkpoint.every_steps == 0:
@@ -489,18 +489,27 @@ class Simulation:
         else:
             self._execute_op(job)
 
+    def _truncate_segment(self, job: SimJob) -> None:
+        """End the current compute segment at the next step boundary."""
+        elapsed = self.now - job.seg_t0
+        n = int(elapsed / job.seg_step_s + EPS) if job.seg_step_s > 0 else 0
+        at_boundary = abs(elapsed - n * job.seg_step_s) <= EPS
+        target = min(job.seg_k, n if at_boundary else n + 1)
+        job.seg_k = target
+        job.epoch += 1
+        self._job_event(job, job.seg_t0 + target * job.seg_step_s, "segment_end")
+
+    def _repace(self, job: SimJob) -> None:
+        """A node under the job changed speed: new pace from the next step boundary."""
+        job.repace = True
+        self._truncate_segment(job)
+
     def _request_stop(self, job: SimJob, op: Op) -> None:
         job.op = op
         self._touch(job)
         act = job.activity
         if act == "computing":
-            elapsed = self.now - job.seg_t0
-            n = int(elapsed / job.seg_step_s + EPS) if job.seg_step_s > 0 else 0
-            at_boundary = abs(elapsed - n * job.seg_step_s) <= EPS
-            target = min(job.seg_k, n if at_boundary else n + 1)
-            job.seg_k = target
-            job.epoch += 1
-            self._job_event(job, job.seg_t0 + target * job.seg_step_s, "segment_end")
+            self._truncate_segment(job)
         elif act in ("saving", "stop_saving"):
             return
         elif act == "idle":
@@ -638,8 +647,7 @@ class Simulation:
             for name in sorted(self.active_names):
                 job = self.jobs[name]
                 if job.activity == "computing" and any(g.node == node for g in job.gpus) and job.op is None:
-                    # Re-pace from the next step boundary on.
-                    self._request_stop(job, Op("repace", [], True, "repace", "", None, False))
+                    self._repace(job)
         elif ev.kind == "drain":
             node = ev.node or ""
             if node not in self.down:
@@ -761,7 +769,8 @@ class Simulation:
         jobs = tuple(self._snapshot_job(self.jobs[name]) for name in sorted(self.active_names))
         reservations = tuple(r for r in self.reservations if self.jobs[r.job].terminal is None)
         commands = tuple(
-            Command(j.op.cmd_id, name, j.op.action_kind, j.op.deadline_s)
+            Command(j.op.cmd_id, name, j.op.action_kind, j.op.deadline_s,
+                    tuple(g for g in j.gpus if g not in set(j.op.after)))
             for name in sorted(self.active_names)
             if (j := self.jobs[name]).op is not None
         )

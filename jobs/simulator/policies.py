@@ -42,7 +42,10 @@ class StaticPass(PlanningPass):
             return
         entitled = job.priority == "critical" and self._entitled_now(job)
         kind = "recover" if job.phase == "recovering" else "place"
-        if self._try_place(job, job.dp, 0, [], sorted({g.node for g in job.gpus}), kind, entitled):
+        anchor = sorted({g.node for g in job.gpus})
+        if entitled and self._try_place(job, job.dp, 0, [], anchor, kind, entitled, own_pool_only=True):
+            return
+        if self._try_place(job, job.dp, 0, [], anchor, kind, entitled):
             return
         self._hold(job, "capacity", f"Static policy: waits for {job.dp * rep} GPUs at its preferred size; "
                    f"{self._free_total(self._zones_for(job, job.dp))} are free.", gpus_needed=job.dp * rep)
