@@ -28,6 +28,8 @@ import numpy as np
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from jobs import live
@@ -449,6 +451,22 @@ def _bulk_create(model: type, columns: Sequence[tuple[str, str]], rows: GpuRows)
     model.objects.bulk_create(objects, batch_size=500, ignore_conflicts=True)
 
 
+# One round trip that creates the source on its first batch and locks its row for this
+# transaction (ON CONFLICT DO UPDATE takes the row lock), so batches of one source serialise.
+_CLAIM_SOURCE = (
+    'INSERT INTO telemetry_telemetrysource (node_id, name, kind, high_seq, "window", batches_total, '
+    "samples_total, duplicates_total, created_at) VALUES (%s, %s, %s, -1, %s, 0, 0, 0, %s) "
+    "ON CONFLICT (node_id, name, kind) DO UPDATE SET name = excluded.name "
+    'RETURNING id, high_seq, "window"'
+)
+
+
+def _claim_source(node: Node, name: str, kind: str, now: datetime) -> tuple[int, int, bytes]:
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIM_SOURCE, [node.pk, name, str(kind), b"", connection.ops.adapt_datetimefield_value(now)])
+        return cursor.fetchone()
+
+
 def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now: datetime,
            *, on_conflict_skip: bool) -> IngestResult:
     table, columns, model = (
@@ -462,14 +480,10 @@ def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now
         if postgres and settings.OMNI_TELEMETRY_ASYNC_COMMIT:
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit TO off")
-        source, _ = TelemetrySource.objects.select_for_update().get_or_create(
-            node=node, name=source_name, kind=kind
-        )
-        is_new, high_seq, window = accept_sequence(
-            source.high_seq, int.from_bytes(bytes(source.window), "big"), seq
-        )
+        source_id, high_seq, window_bytes = _claim_source(node, source_name, kind, now)
+        is_new, high_seq, window = accept_sequence(high_seq, int.from_bytes(bytes(window_bytes), "big"), seq)
         if not is_new:
-            TelemetrySource.objects.filter(pk=source.pk).update(duplicates_total=source.duplicates_total + 1)
+            TelemetrySource.objects.filter(pk=source_id).update(duplicates_total=F("duplicates_total") + 1)
             metrics.count("omni_telemetry_batches_total", f"{kind},duplicate")
             return IngestResult(kind, source_name, seq, 0, True, None)
         if postgres:
@@ -478,13 +492,13 @@ def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now
         else:
             _bulk_create(model, columns, rows)
         lag_s = max(0.0, now.timestamp() - last_s)
-        TelemetrySource.objects.filter(pk=source.pk).update(
+        TelemetrySource.objects.filter(pk=source_id).update(
             high_seq=high_seq,
             window=window.to_bytes(WINDOW_BATCHES // 8, "big"),
-            batches_total=source.batches_total + 1,
-            samples_total=source.samples_total + len(rows),
+            batches_total=F("batches_total") + 1,
+            samples_total=F("samples_total") + len(rows),
             last_batch_at=now,
-            last_sample_at=newest if source.last_sample_at is None else max(newest, source.last_sample_at),
+            last_sample_at=Greatest(Coalesce(F("last_sample_at"), Value(newest)), Value(newest)),
             last_lag_s=lag_s,
         )
         transaction.on_commit(lambda: _after_commit(kind, node, rows, lag_s))
@@ -527,101 +541,102 @@ def ingest_step_batch(node: Node, batch: Any) -> IngestResult:
 
 
 class LiveThrottle:
-    """Per-group buffer of new points, sent at most once per ``interval_s`` per group (AWX's
-    ``MAX_WEBSOCKET_EVENT_RATE``). Points held back ride along with the group's next message;
-    a page that (re)connects loads history from telemetry.queries."""
+    """Per-stream buffer of new rows, released at most once per ``interval_s`` (AWX's
+    ``MAX_WEBSOCKET_EVENT_RATE``). Rows held back ride along with the next message; points are
+    built only when a message goes out. A page that (re)connects loads history from
+    telemetry.queries."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._pending: dict[str, list[GpuRows]] = {}
         self._sent_at: dict[str, float] = {}
 
-    def offer(self, group: str, points: list[dict[str, Any]], interval_s: float) -> list[dict[str, Any]] | None:
-        """Add ``points``; return everything pending for ``group`` when it may send now."""
+    def offer(self, key: str, rows: GpuRows, interval_s: float) -> list[GpuRows] | None:
+        """Add ``rows``; return everything pending for ``key`` when it may send now."""
         with self._lock:
-            pending = self._pending.setdefault(group, [])
-            pending.extend(points)
-            if len(pending) > MAX_LIVE_POINTS:
-                del pending[: len(pending) - MAX_LIVE_POINTS]
+            pending = self._pending.setdefault(key, [])
+            pending.append(rows)
+            while len(pending) > 1 and sum(len(chunk) for chunk in pending[1:]) >= MAX_LIVE_POINTS:
+                pending.pop(0)
             now = time.monotonic()
-            if now - self._sent_at.get(group, -math.inf) < interval_s:
+            if now - self._sent_at.get(key, -math.inf) < interval_s:
                 return None
-            self._sent_at[group] = now
-            return self._pending.pop(group)
+            self._sent_at[key] = now
+            return self._pending.pop(key)
 
 
 throttle = LiveThrottle()
-_allocations_cache: dict[int, tuple[float, dict[int, int]]] = {}
-ALLOCATION_CACHE_S = 2.0
 
 
 def _gpu_jobs(node_id: int) -> dict[int, int]:
-    """gpu_index -> job id on this node, cached briefly (one query per node per 2 s at most)."""
-    cached = _allocations_cache.get(node_id)
-    if cached and time.monotonic() - cached[0] < ALLOCATION_CACHE_S:
-        return cached[1]
-    mapping = dict(Allocation.objects.filter(node_id=node_id).values_list("gpu_index", "job_id"))
-    _allocations_cache[node_id] = (time.monotonic(), mapping)
-    return mapping
+    """gpu_index -> id of the job holding it, on this node."""
+    return dict(Allocation.objects.filter(node_id=node_id).values_list("gpu_index", "job_id"))
 
 
 def _after_commit(kind: str, node: Node, rows: GpuRows, lag_s: float) -> None:
     metrics.count("omni_telemetry_batches_total", f"{kind},stored")
     metrics.samples_stored(kind, len(rows))
     metrics.count("omni_telemetry_lag_seconds_sum", kind, lag_s)
-    interval_s = settings.OMNI_TELEMETRY_LIVE_INTERVAL_S
+    due = throttle.offer(f"{kind}:{node.pk}", rows, settings.OMNI_TELEMETRY_LIVE_INTERVAL_S)
+    if not due:
+        return
     if kind == BatchKind.GPU:
-        points = _gpu_points(rows)
-        _send(live.node_group(node.pk), "gpu_samples", {"node": node.pk, "node_name": node.name}, points, interval_s)
-        by_job: dict[int, list[dict[str, Any]]] = {}
+        points = _gpu_points(due)
+        live.broadcast_now(
+            live.node_group(node.pk), "gpu_samples", {"node": node.pk, "node_name": node.name, "points": points}
+        )
         gpu_jobs = _gpu_jobs(node.pk)
+        by_job: dict[int, list[dict[str, Any]]] = {}
         for point in points:
             job_id = gpu_jobs.get(point["gpu"])
             if job_id is not None:
                 by_job.setdefault(job_id, []).append(point)
         for job_id, job_points in by_job.items():
-            _send(live.job_group(job_id), "gpu_samples", {"job": job_id, "node": node.pk, "node_name": node.name},
-                  job_points, interval_s)
+            live.broadcast_now(live.job_group(job_id), "gpu_samples",
+                               {"job": job_id, "node": node.pk, "node_name": node.name, "points": job_points})
     else:
         by_job = {}
-        for point in _step_points(rows):
+        for point in _step_points(due):
             by_job.setdefault(point["job"], []).append(point)
         for job_id, job_points in by_job.items():
-            _send(live.job_group(job_id), "step_records", {"job": job_id}, job_points, interval_s)
+            live.broadcast_now(live.job_group(job_id), "step_records",
+                               {"job": job_id, "node": node.pk, "points": job_points})
 
 
-def _send(group: str, event: str, head: dict[str, Any], points: list[dict[str, Any]], interval_s: float) -> None:
-    due = throttle.offer(group, points, interval_s)
-    if due:
-        live.broadcast_now(group, event, {**head, "points": due})
+def _columns(chunks: list[GpuRows], names: Sequence[str]) -> tuple[dict[str, list], dict[str, list], list[float]]:
+    """The newest MAX_LIVE_POINTS rows of ``chunks`` as Python lists per column."""
+    def joined(arrays: list[np.ndarray]) -> list:
+        return np.concatenate(arrays)[-MAX_LIVE_POINTS:].tolist()
+
+    values = {name: joined([c.values[name] for c in chunks]) for name in names}
+    nulls = {name: joined([c.nulls[name] for c in chunks]) for name in names if name in chunks[0].nulls}
+    return values, nulls, joined([c.epoch_s for c in chunks])
 
 
-def _gpu_points(rows: GpuRows) -> list[dict[str, Any]]:
-    values, nulls = rows.values, rows.nulls
-    columns = zip(
-        values["gpu_index"].tolist(), rows.epoch_s.tolist(), values["util_pct"].tolist(),
-        values["mem_used_bytes"].tolist(), values["power_w"].tolist(), nulls["power_w"].tolist(),
-        values["temp_c"].tolist(), nulls["temp_c"].tolist(), values["xid_errors"].tolist(), strict=True,
-    )
+def _gpu_points(chunks: list[GpuRows]) -> list[dict[str, Any]]:
+    values, nulls, at = _columns(chunks, ("gpu_index", "util_pct", "mem_used_bytes", "power_w", "temp_c", "xid_errors"))
     return [
         {"gpu": g, "at": t, "util_pct": u, "mem_used_bytes": m, "power_w": None if pn else p,
          "temp_c": None if tn else c, "xid_errors": x}
-        for g, t, u, m, p, pn, c, tn, x in columns
-    ][-MAX_LIVE_POINTS:]
+        for g, t, u, m, p, pn, c, tn, x in zip(
+            values["gpu_index"], at, values["util_pct"], values["mem_used_bytes"], values["power_w"],
+            nulls["power_w"], values["temp_c"], nulls["temp_c"], values["xid_errors"], strict=True,
+        )
+    ]
 
 
-def _step_points(rows: GpuRows) -> list[dict[str, Any]]:
-    values, nulls = rows.values, rows.nulls
-    names = ("step_s", "data_wait_s", "compute_s", "comm_s", "loss")
-    lists = {name: values[name].tolist() for name in names}
-    null_lists = {name: nulls[name].tolist() for name in names}
+STEP_POINT_FIELDS = ("step_s", "data_wait_s", "compute_s", "comm_s", "loss")
+
+
+def _step_points(chunks: list[GpuRows]) -> list[dict[str, Any]]:
+    tokens = tuple(f"tokens_{m}" for m in TOKEN_MODALITIES)
+    values, nulls, at = _columns(chunks, ("job_id", "rank", "step", *STEP_POINT_FIELDS, *tokens))
     out = []
-    for i, (job_id, rank, step, at_s) in enumerate(zip(
-        values["job_id"].tolist(), values["rank"].tolist(), values["step"].tolist(), rows.epoch_s.tolist(),
-        strict=True,
-    )):
-        point = {"job": job_id, "rank": rank, "step": step, "at": at_s}
-        for name in names:
-            point[name] = None if null_lists[name][i] else lists[name][i]
+    for i, at_s in enumerate(at):
+        point: dict[str, Any] = {"job": values["job_id"][i], "rank": values["rank"][i], "step": values["step"][i],
+                                 "at": at_s}
+        for name in STEP_POINT_FIELDS:
+            point[name] = None if nulls[name][i] else values[name][i]
+        point["tokens"] = {m: values[f"tokens_{m}"][i] for m in TOKEN_MODALITIES if not nulls[f"tokens_{m}"][i]}
         out.append(point)
     return out

@@ -4,9 +4,15 @@ Every series function takes a time range and ``max_points`` and returns at most 
 points per trace. It picks the cheapest data that still resolves the bucket width the range
 needs (docs/telemetry.md, "Queries"):
 
-* ``raw`` samples when the bucket is under a minute and the range at most ``RAW_MAX_SPAN_S``;
-* 1-minute rollups when the bucket is under an hour and the range lies within their retention;
-* 1-hour rollups otherwise.
+* ``raw`` samples when the bucket is under a minute,
+* 1-minute rollups when the bucket is under an hour,
+* 1-hour rollups otherwise,
+
+and a level is used only when the range lies within its retention and the rows it would scan
+(traces x range / resolution, raw samples assumed 1 Hz) stay within ``ROW_BUDGET``; past that
+the next coarser level answers with fewer points. So a 7-day chart of one 8-GPU node is drawn
+from 1-minute rollups (up to 2,000 points), a 7-day chart of 64 GPUs from hourly ones (168
+points), each in well under 100 ms.
 
 The part of the range newer than a rollup level's watermark (not rolled up yet) is read from
 the next finer level and merged, so a chart ending "now" is always fresh. Bucketing happens in
@@ -27,11 +33,12 @@ from typing import Any
 
 import numpy as np
 from django.db import connection
+from django.db.models import Sum
 
 from telemetry.partitions import retention_for
 
-RAW_MAX_SPAN_S = 6 * 3600
-CLUSTER_RAW_MAX_SPAN_S = 15 * 60
+ROW_BUDGET = 250_000  # rows one series query may scan (about 100 ms on a busy 2-core server)
+RAW_SAMPLE_INTERVAL_S = 1.0  # the agents' default reporting interval, for the row estimate
 LEVEL_RESOLUTION_S = {"raw": 1, "minute": 60, "hour": 3600}
 FINER = {"hour": "minute", "minute": "raw"}
 
@@ -100,10 +107,11 @@ def _epoch(at: datetime) -> float:
 
 
 def choose_plan(
-    start: datetime, end: datetime, max_points: int, *, now: datetime | None = None,
-    raw_max_span_s: int = RAW_MAX_SPAN_S,
+    start: datetime, end: datetime, max_points: int, *, now: datetime | None = None, traces: int = 1,
+    row_budget: int = ROW_BUDGET,
 ) -> Plan:
-    """Pick raw, minute or hour data and a bucket width so that [start, end) fits ``max_points``."""
+    """Pick raw, minute or hour data and a bucket width so that [start, end) fits ``max_points``
+    and about ``traces`` series (GPUs, ranks) scan at most ``row_budget`` rows where possible."""
     if max_points < 1:
         raise ValueError("max_points must be at least 1")
     if end <= start:
@@ -115,7 +123,8 @@ def choose_plan(
         keep = retention_for(level)
         if keep is not None and start < now - keep:
             continue
-        if level == "raw" and span_s > raw_max_span_s:
+        row_interval_s = RAW_SAMPLE_INTERVAL_S if level == "raw" else resolution
+        if level != "hour" and max(1, traces) * span_s / row_interval_s > row_budget:
             continue
         origin_s = int(math.floor(_epoch(start) / resolution) * resolution)
         bucket_s = max(1, math.ceil((_epoch(end) - origin_s) / max_points))
@@ -324,7 +333,12 @@ def gpu_utilisation_series(
         filters.append(("node_id", sorted({n for n, _ in wanted})))
     elif node_ids is not None:
         filters.append(("node_id", sorted(set(node_ids))))
-    plan = choose_plan(start, end, max_points, now=now)
+    if wanted is not None:
+        gpu_count = len(wanted)
+    else:
+        nodes = Node.objects.filter(pk__in=node_ids) if node_ids is not None else Node.objects.all()
+        gpu_count = nodes.aggregate(n=Sum("gpu_count"))["n"] or 1
+    plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
     traces = _series(GPU_SOURCES, "gpu-", plan, start, end, ["node_id", "gpu_index"], filters, GPU_METRICS, metrics)
     names = dict(Node.objects.filter(pk__in={k[0] for k in traces}).values_list("pk", "name"))
     out: dict[str, dict] = {}
@@ -341,12 +355,11 @@ def gpu_utilisation_series(
 def cluster_utilisation(
     *, start: datetime, end: datetime, max_points: int = 1000, now: datetime | None = None,
 ) -> dict[str, Any]:
-    """One trace ``"cluster"``: mean and max utilisation over every GPU that reported, per bucket.
+    """One trace ``"cluster"``: mean and max utilisation over every GPU that reported, per bucket."""
+    from jobs.models import Node
 
-    Raw samples are read only for short ranges (``CLUSTER_RAW_MAX_SPAN_S``): a whole cluster's
-    raw rows are many.
-    """
-    plan = choose_plan(start, end, max_points, now=now, raw_max_span_s=CLUSTER_RAW_MAX_SPAN_S)
+    gpu_count = Node.objects.aggregate(n=Sum("gpu_count"))["n"] or 1
+    plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
     names = ("util_pct", "util_max_pct")
     traces = _series(GPU_SOURCES, "gpu-", plan, start, end, [], [], GPU_METRICS, names)
     out = {"cluster": _trace_dict(trace, plan, names) for trace in traces.values()}  # noqa: B035 - 0 or 1
@@ -362,7 +375,10 @@ def step_series(
     unknown = set(metrics) - set(STEP_METRICS)
     if unknown:
         raise ValueError(f"unknown step metrics: {sorted(unknown)}")
-    plan = choose_plan(start, end, max_points, now=now)
+    from jobs.models import Job
+
+    ranks = Job.objects.filter(pk=job_id).values_list("tp", "pp", "dp").first()
+    plan = choose_plan(start, end, max_points, now=now, traces=math.prod(ranks) if ranks else 1)
     traces = _series(STEP_SOURCES, "step-", plan, start, end, [], [("job_id", [job_id])], STEP_METRICS, metrics)
     out = {"job": _trace_dict(trace, plan, metrics) for trace in traces.values()}  # noqa: B035 - 0 or 1
     return _result(plan, start, end, out)

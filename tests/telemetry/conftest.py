@@ -14,7 +14,6 @@ def _fresh_process_state():
     metrics.reset()
     partitions.forget_known_partitions()
     ingest.throttle.__init__()
-    ingest._allocations_cache.clear()
     yield
 
 

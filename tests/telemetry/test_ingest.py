@@ -9,6 +9,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.test import override_settings
 
+from jobs import actions
 from jobs.live import job_group, node_group
 from telemetry.ingest import BatchRejected, accept_sequence, ingest_gpu_batch, ingest_step_batch
 from telemetry.models import GpuSample, StepRecord, TelemetrySource
@@ -150,22 +151,30 @@ def test_step_batch_is_stored_and_unknown_job_rejected(node, make_job):
     assert StepRecord.objects.count() == 4
 
 
-def test_live_message_follows_commit_with_the_new_points_and_is_throttled(node, django_capture_on_commit_callbacks):
+def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
+    node, make_job, django_capture_on_commit_callbacks
+):
+    job = make_job(dp=2, dp_min=1, dp_max=2)
+    actions.place_job(job, [(node, 0), (node, 1)], actor="test", reason={"rule": "test", "text": "test"})
     layer = get_channel_layer()
-    channel = async_to_sync(layer.new_channel)()
-    async_to_sync(layer.group_add)(node_group(node.pk), channel)
+    node_channel = async_to_sync(layer.new_channel)()
+    job_channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(node_group(node.pk), node_channel)
+    async_to_sync(layer.group_add)(job_group(job.pk), job_channel)
     with django_capture_on_commit_callbacks(execute=True):
         ingest_gpu_batch(node, gpu_batch(seq=0, samples=8))
-    message = async_to_sync(layer.receive)(channel)
+    message = async_to_sync(layer.receive)(node_channel)
     assert message["event"] == "gpu_samples"
     assert message["payload"]["node"] == node.pk
     assert sorted(p["gpu"] for p in message["payload"]["points"]) == list(range(8))
     assert set(message["payload"]["points"][0]) == {"gpu", "at", "util_pct", "mem_used_bytes", "power_w",
                                                     "temp_c", "xid_errors"}
-    # A second batch within the throttle interval is held back, then rides along with the next.
+    for_job = async_to_sync(layer.receive)(job_channel)
+    assert for_job["payload"]["job"] == job.pk
+    assert sorted(p["gpu"] for p in for_job["payload"]["points"]) == [0, 1]
+    # A second batch within the throttle interval is held back, to ride along with the next.
     with django_capture_on_commit_callbacks(execute=True):
         ingest_gpu_batch(node, gpu_batch(seq=1, samples=8, start_s=time.time() - 50))
     from telemetry.ingest import throttle
 
-    assert len(throttle._pending[node_group(node.pk)]) == 8
-    assert job_group(1) not in throttle._pending  # no job holds these GPUs
+    assert sum(len(chunk) for chunk in throttle._pending[f"gpu:{node.pk}"]) == 8

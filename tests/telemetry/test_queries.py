@@ -20,7 +20,7 @@ NOW = datetime(2026, 6, 15, 12, 0, 7, tzinfo=UTC)
     [
         (timedelta(minutes=10), "raw", 1),
         (timedelta(hours=1), "raw", 2),
-        (timedelta(hours=20), "minute", 60),
+        (timedelta(hours=20), "raw", 36),
         (timedelta(days=2), "minute", 120),
         (timedelta(days=7), "minute", 360),
         (timedelta(days=60), "hour", 3600),
@@ -30,6 +30,20 @@ NOW = datetime(2026, 6, 15, 12, 0, 7, tzinfo=UTC)
 def test_plan_picks_the_cheapest_level_that_resolves_the_range(span, level, bucket_s, settings):
     plan = queries.choose_plan(NOW - span, NOW, 2000, now=NOW)
     assert (plan.level, plan.bucket_s) == (level, bucket_s)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "span", "level"),
+    [
+        (8, timedelta(days=7), "minute"),
+        (64, timedelta(days=7), "hour"),
+        (64, timedelta(hours=1), "raw"),
+        (64, timedelta(hours=2), "minute"),
+        (10_000, timedelta(minutes=20), "minute"),
+    ],
+)
+def test_plan_keeps_the_rows_scanned_within_budget(gpus, span, level):
+    assert queries.choose_plan(NOW - span, NOW, 2000, now=NOW, traces=gpus).level == level
 
 
 @pytest.mark.parametrize("max_points", [1, 7, 100, 2000])
