@@ -194,10 +194,8 @@ class PlanningPass:
             if self.view.zone_of_node.get(name) != res.name:
                 continue
             healthy += node.gpus
-            for i in range(node.gpus):
-                g = Gpu(name, i)
-                if g in self.view.owner:
-                    held.append(g)
+            for i in sorted(self.view.held_by_node.get(name, ())):
+                held.append(Gpu(name, i))
         return healthy, held
 
     def _reservations(self) -> None:
@@ -226,11 +224,18 @@ class PlanningPass:
             deficit = pool.must_be_free - pool.free_gpus - returning
             if deficit <= 0 or pool.next_need_s == INFINITY or not borrowers:
                 continue
-            pool_nodes = set(res.nodes)
             candidates = sorted(
                 (self.jobs[b] for b in borrowers if b in self.jobs and b not in self.acted),
                 key=lambda j: victim_sort_key(j, self.config),
             )
+            if not candidates:
+                continue
+            # Nothing can be due before the longest lead time: just ask to be woken then.
+            earliest_due = min(reclaim_due_s(j, pool, self.config) for j in candidates)
+            if earliest_due > self.now + 1e-9:
+                self._wake_at(earliest_due)
+                continue
+            pool_nodes = set(res.nodes)
             options = choose_victims(
                 candidates,
                 lambda freed, nodes=pool_nodes, short=deficit: sum(1 for g in freed if g.node in nodes) >= short,
@@ -371,11 +376,12 @@ class PlanningPass:
 
     def _queue(self) -> None:
         waiting: list[tuple[tuple, Job]] = []
+        lost_nodes = {n for n, node in self.nodes.items() if node.health in LOST_HEALTH}
         for job in self.jobs.values():
             if job.name in self.busy or job.name in self.acted:
                 continue
-            has_lost = any(
-                self.nodes.get(g.node) is None or self.nodes[g.node].health in LOST_HEALTH for g in job.gpus
+            has_lost = bool(lost_nodes) and bool(job.holdings) and any(
+                h.gpu.node in lost_nodes or h.gpu.node not in self.nodes for h in job.holdings
             )
             if job.phase in WAITING_PHASES or job.phase == "recovering" or has_lost:
                 dormant = self._dormant_between_windows(job)
@@ -384,7 +390,7 @@ class PlanningPass:
                     self._hold(job, "between_windows",
                                f"Waiting for its reservation window '{dormant.name}' to open at "
                                f"{_fmt_t(t)}; the job needs no GPUs between windows.",
-                               reservation=dormant.name, next_start_s=t)
+                               reservation=dormant.name, next_start_s=None if t == INFINITY else t)
                     continue
                 waiting.append((queue_key(job, self.now, self.config, self._tier(job)), job))
         waiting.sort(key=lambda kv: kv[0])
@@ -567,18 +573,21 @@ class PlanningPass:
             for z in lent:
                 pool = self.pools[z]
                 n, window_s, needed_s = lendable_gpus(pool, job, dp, self.now, self.config)
-                if window_s == INFINITY:
+                if pool.need_now > 0 and (window_s == INFINITY or n < pool.free_gpus or window_s <= 0):
+                    window_notes.append(f"they are hot spares of '{z}', lent until a fault needs them")
+                elif window_s == INFINITY:
                     window_notes.append(f"'{z}' does not need them again")
                 elif n < pool.free_gpus or window_s <= 0:
-                    window_notes.append(f"they are hot spares of '{z}', lent until a fault needs them")
+                    window_notes.append(f"they are spares of '{z}' beyond what its next window needs")
                 else:
                     window_notes.append(f"'{z}' needs them in {window_s:.0f}s and this job needs a window "
                                         f"of {needed_s:.0f}s (start-up, load, {self.config.min_loan_steps} "
                                         f"steps, save)")
             text = (f"Started on {_replicas(dp)} ({len(after)} GPUs, {spread.describe()}) using reserved "
-                    f"GPUs nobody is using now: {'; '.join(window_notes)}. The loan ends "
-                    f"{_fmt_t(loan_end)}, and the job will be asked to save ahead of it.")
-            inputs["loan_ends_s"] = loan_end
+                    f"GPUs nobody is using now: {'; '.join(window_notes)}.")
+            if loan_end < INFINITY:
+                text += f" The loan ends {_fmt_t(loan_end)}; the job will be asked to save ahead of it."
+            inputs["loan_ends_s"] = None if loan_end == INFINITY else loan_end
             inputs["lead_time_s"] = round(reclaim_lead_time(job, self.config), 3)
         elif kind == "recover":
             kind_out = "recover"

@@ -22,10 +22,24 @@ Action kinds and what applying one means:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.planner.snapshot import Gpu
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with inf/nan replaced by None and tuples by lists, so strict JSON accepts it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value) if isinstance(value, set | frozenset) else value
+        return [_jsonable(v) for v in items]
+    return value
+
 
 ACTION_KINDS = ("place", "lend", "preempt", "shrink", "grow", "reclaim", "recover", "migrate", "hold")
 
@@ -39,8 +53,8 @@ class Reason:
     inputs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
-        return {"rule": self.rule, "text": self.text, "inputs": dict(self.inputs)}
+        """JSON-able form (non-finite numbers become None)."""
+        return {"rule": self.rule, "text": self.text, "inputs": _jsonable(dict(self.inputs))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +91,7 @@ class Action:
             "accum_after": self.accum_after,
             "global_batch": self.global_batch,
             "borrowed_from": list(self.borrowed_from),
-            "deadline_s": self.deadline_s,
+            "deadline_s": _jsonable(self.deadline_s),
             "graceful": self.graceful,
             "forced": self.forced,
             "reason": self.reason.to_dict(),

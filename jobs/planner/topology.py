@@ -71,16 +71,19 @@ class ClusterView:
                 if node in self.zone_of_node and self.zone_of_node[node] is None:
                     self.zone_of_node[node] = res.name
         self.owner: dict[Gpu, str] = {}
+        self.held_by_node: dict[str, set[int]] = {}
         for job in snapshot.jobs:
             for h in job.holdings:
                 self.owner[h.gpu] = job.name
+                self.held_by_node.setdefault(h.gpu.node, set()).add(h.gpu.index)
         self.free: dict[str | None, dict[str, list[int]]] = {}
         self.zone_total: dict[str | None, int] = {}
         for name in sorted(self.nodes):
             node = self.nodes[name]
             if node.health not in PLACEABLE_HEALTH:
                 continue
-            idx = [i for i in range(node.gpus) if Gpu(name, i) not in self.owner]
+            held = self.held_by_node.get(name)
+            idx = [i for i in range(node.gpus) if i not in held] if held else list(range(node.gpus))
             if idx:
                 zone = self.zone_of_node[name]
                 self.free.setdefault(zone, {})[name] = idx

@@ -217,7 +217,10 @@ class Simulation:
         self.plan_due: set[float] = set()
         self.dirty = False
         total = sum(n.gpus for n in scenario.nodes)
-        self.full_check = total <= 1024 if full_check is None else full_check
+        self.total_gpus = total
+        # A full O(GPUs) sweep after every pass for small scenarios; big replays rely on the
+        # incremental checks made at every assignment, layout change and commit.
+        self.full_check = (total <= 1024 and len(scenario.jobs) <= 300) if full_check is None else full_check
         # Shortfall accounting per reservation.
         self.res_entitled_since: dict[str, float | None] = {r.name: None for r in self.reservations}
         self.res_fault_since: dict[str, float | None] = {r.name: None for r in self.reservations}
@@ -345,7 +348,7 @@ class Simulation:
         """Integrate metrics over [last_t, t) with the state as it is, and take samples."""
         a, b = self.last_t, min(t, self.horizon)
         if b > a:
-            healthy = sum(n.gpus for name, n in self.nodes.items() if name not in self.down)
+            healthy = self.total_gpus - sum(self.nodes[name].gpus for name in self.down)
             self.healthy_gpu_s += healthy * (b - a)
             for res in self.reservations:
                 ent, got = self._entitlement(res, a)
@@ -743,7 +746,11 @@ class Simulation:
             phase = "checkpointing"
         else:
             phase = "running"
-        holdings = tuple(Holding(g, job.borrowed.get(g)) for g in job.gpus + job.incoming)
+        if job.cached is not None and job.cached_version == job.version:
+            holdings, rhythm = job.cached.holdings, job.cached.rhythm
+        else:
+            holdings = tuple(Holding(g, job.borrowed.get(g)) for g in job.gpus + job.incoming)
+            rhythm = Rhythm(tuple(job.ring), tuple(job.save_hist), tuple(job.load_hist))
         snap = Job(
             name=spec.name, priority=spec.priority, tp=spec.tp, pp=spec.pp, dp=spec.dp,
             dp_min=spec.dp_min, dp_max=spec.dp_max, global_batch=spec.global_batch,
@@ -753,7 +760,7 @@ class Simulation:
             committed_steps=live, last_checkpoint_step=job.last_ckpt_step,
             last_checkpoint_s=job.last_ckpt_t, run_started_s=job.run_started,
             last_resize_s=job.last_resize, queued_since_s=job.queued_since, holdings=holdings,
-            rhythm=Rhythm(tuple(job.ring), tuple(job.save_hist), tuple(job.load_hist)),
+            rhythm=rhythm,
             preemptions=job.preemptions,
         )
         job.cached = snap

@@ -1,0 +1,83 @@
+"""Rule 3: lend reserved-but-idle GPUs, reclaim them with a checkpoint ahead of need."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.planner import PlannerConfig, Reservation, plan
+from jobs.planner.rhythm import reclaim_lead_time
+from tests.planner.factory import cluster, gpus_on, job, snapshot
+
+POOL = ("r0s1n0", "r0s1n1", "r0s1n2", "r0s1n3")
+RES = Reservation("vlm-window", "vlm", gpus=32, start_s=7200.0, nodes=POOL)
+GENERAL = gpus_on("r0s0n0", "r0s0n1", "r0s0n2", "r0s0n3")
+
+
+def test_idle_reserved_gpus_are_lent_before_the_window_opens() -> None:
+    snap = snapshot(cluster(), [job("busy", gpus=GENERAL, dp=4), job("sft", dp=2)], (RES,))
+    result = plan(snap, 0.0)
+    (lend,) = result.by_kind("lend")
+    assert lend.job == "sft"
+    assert lend.borrowed_from == ("vlm-window",)
+    assert {g.node for g in lend.gpus_after} <= set(POOL)
+    assert lend.deadline_s == 7200.0
+    assert lend.reason.rule == "harvest.lend"
+    assert result.wake_at_s is not None and result.wake_at_s <= 7200.0
+
+
+def test_no_loan_into_a_window_too_short_to_be_worth_it() -> None:
+    snap = snapshot(cluster(), [job("busy", gpus=GENERAL, dp=4), job("sft", dp=2)], (RES,))
+    result = plan(snap, 7200.0 - 60.0)
+    assert not result.by_kind("lend")
+    (hold,) = result.by_kind("hold")
+    assert hold.job == "sft"
+    assert "shorter than this job needs" in hold.reason.text
+
+
+def test_reclaim_starts_one_lead_time_before_the_entitlement() -> None:
+    borrower = job("sft", dp=2, gpus=gpus_on("r0s1n0", "r0s1n1"), borrowed_from="vlm-window", save_s=20.0)
+    snap = snapshot(cluster(), [job("busy", gpus=GENERAL, dp=4), borrower], (RES,))
+    lead = reclaim_lead_time(borrower, PlannerConfig())
+
+    early = plan(snap, 7200.0 - lead - 100.0)
+    assert not early.by_kind("reclaim")
+    assert early.wake_at_s == pytest.approx(7200.0 - lead)
+
+    due = plan(snap, 7200.0 - lead)
+    (reclaim,) = due.by_kind("reclaim")
+    assert reclaim.job == "sft" and reclaim.graceful
+    assert reclaim.gpus_after == ()
+    assert reclaim.deadline_s == pytest.approx(7200.0)
+    assert reclaim.reason.inputs["lead_time_s"] == pytest.approx(lead, abs=1e-3)
+
+
+def test_hot_spares_are_lent_while_the_owner_runs() -> None:
+    pool = (*POOL, "r0s0n3")
+    res = Reservation("r", "crit", gpus=32, spares=8, nodes=pool)
+    owner = job("crit", "critical", dp=4, gpus=gpus_on(*POOL))
+    snap = snapshot(cluster(), [owner, job("busy", gpus=gpus_on("r0s0n0", "r0s0n1", "r0s0n2"), dp=3),
+                                job("probe", "best_effort")], (res,))
+    (lend,) = plan(snap, 100.0).by_kind("lend")
+    assert lend.job == "probe" and lend.gpus_after == gpus_on("r0s0n3")
+    assert "hot spares" in lend.reason.text
+
+
+def test_kill_mode_takes_gpus_back_at_the_moment_of_need_without_a_checkpoint() -> None:
+    borrower = job("sft", dp=4, gpus=gpus_on(*POOL), borrowed_from="vlm-window")
+    owner = job("vlm", "critical", dp=4, submit_s=7200.0)
+    config = PlannerConfig(reclaim_mode="kill")
+    snap_before = snapshot(cluster(), [job("busy", gpus=GENERAL, dp=4), borrower], (RES,))
+    assert not plan(snap_before, 7100.0, config).by_kind("reclaim")
+    snap = snapshot(cluster(), [job("busy", gpus=GENERAL, dp=4), borrower, owner], (RES,))
+    result = plan(snap, 7200.0, config)
+    (reclaim,) = result.by_kind("reclaim")
+    assert not reclaim.graceful
+    (place,) = result.by_kind("place")
+    assert place.job == "vlm" and {g.node for g in place.gpus_after} == set(POOL)
+
+
+def test_critical_job_never_borrows_another_reservations_gpus() -> None:
+    snap = snapshot(cluster(), [job("busy", gpus=GENERAL, dp=4), job("other-crit", "critical", dp=2)], (RES,))
+    result = plan(snap, 0.0)
+    assert not result.by_kind("lend")
+    assert result.by_kind("hold")[0].job == "other-crit"

@@ -1,0 +1,58 @@
+"""Rule 5: resize only by whole replicas, at a constant global batch."""
+
+from __future__ import annotations
+
+from jobs.planner import Gpu, Reservation, plan
+from jobs.planner.layout import accum_steps, layout_problems, valid_dps
+from tests.planner.factory import cluster, gpus_on, job, snapshot
+
+EIGHT_NODES = tuple(f"r0s{s}n{n}" for s in range(2) for n in range(4))
+
+
+def test_only_batch_exact_dps_are_valid() -> None:
+    j = job("a", dp=4, dp_min=1, dp_max=8, global_batch=96, micro_batch=4)
+    assert valid_dps(j) == (1, 2, 3, 4, 6, 8)
+    assert accum_steps(j, 3) == 8 and accum_steps(j, 5) is None
+
+
+def test_shrink_keeps_global_batch() -> None:
+    # The seed's example: 64 GPUs, global batch 1024, shrunk to 32 GPUs doubles accumulation.
+    pool = EIGHT_NODES[4:]
+    llm = job("llm-64", tp=8, dp=8, dp_min=4, dp_max=8, global_batch=1024, micro_batch=16,
+              gpus=gpus_on(*EIGHT_NODES), run_started_s=0.0, min_run_s=7200.0)
+    res = Reservation("res", "vlm", gpus=32, start_s=3600.0, nodes=pool)
+    snap = snapshot(cluster(), [llm, job("vlm", "critical", dp=4)], (res,))
+    (reclaim,) = plan(snap, 3600.0).by_kind("reclaim")
+    assert (reclaim.dp_before, reclaim.dp_after) == (8, 4)
+    assert (reclaim.accum_before, reclaim.accum_after) == (8, 16)
+    assert reclaim.global_batch == 1024
+    assert 16 * reclaim.dp_after * reclaim.accum_after == 1024
+    assert len(reclaim.gpus_after) == 32
+    assert not {g.node for g in reclaim.gpus_after} & set(pool)
+
+
+def test_layout_problems_flag_a_split_tp_group_and_partial_replicas() -> None:
+    j = job("a", tp=4, dp=2, dp_min=1, dp_max=2, global_batch=8)
+    split = (Gpu("x", 0), Gpu("x", 1), Gpu("y", 0), Gpu("y", 1))
+    assert any("TP group" in p for p in layout_problems(j, split))
+    assert any("whole number" in p for p in layout_problems(j, split[:3]))
+    assert layout_problems(j, (Gpu("x", 0), Gpu("x", 1), Gpu("x", 2), Gpu("x", 3))) == []
+
+
+def test_an_elastic_job_grows_into_free_gpus_after_the_hysteresis() -> None:
+    j = job("sft", tp=8, dp=2, dp_min=1, dp_max=4, global_batch=64, gpus=gpus_on(*EIGHT_NODES[:2]),
+            run_started_s=0.0, total_steps=100_000, step_s=2.0)
+    snap = snapshot(cluster(), [j])
+    assert not plan(snap, 600.0).by_kind("grow")
+    (grow,) = plan(snap, 4000.0).by_kind("grow")
+    assert (grow.dp_before, grow.dp_after) == (2, 4)
+    assert (grow.accum_before, grow.accum_after) == (32, 16)
+    assert set(j.gpus) <= set(grow.gpus_after)
+
+
+def test_no_growth_while_an_equal_priority_job_waits() -> None:
+    j = job("sft", tp=8, dp=2, dp_min=1, dp_max=8, global_batch=64, gpus=gpus_on(*EIGHT_NODES[:2]),
+            run_started_s=0.0, total_steps=100_000)
+    big = job("big", tp=8, dp=8)
+    result = plan(snapshot(cluster(), [j, big]), 4000.0)
+    assert not result.by_kind("grow")
