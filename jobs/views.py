@@ -188,7 +188,11 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     events = list(
         job.events.select_related("refers_to").prefetch_related("outcomes").order_by("-id")[:200]
     )
-    checkpoints = [e for e in events if e.kind == EventKind.CHECKPOINT or e.outcome.get("checkpoint_step") is not None]
+    checkpoints = [
+        {"at": e.at, "step": e.outcome.get("checkpoint_step", e.outcome.get("step")), "save_s": e.outcome.get("save_s")}
+        for e in events
+        if e.kind == EventKind.CHECKPOINT or e.outcome.get("checkpoint_step") is not None
+    ]
     hold = next((e for e in events if e.kind == EventKind.HOLD), None)
     rhythm = measured_step_s([job.pk]).get(job.pk)
     seconds_left, measured = eta(job, rhythm)
@@ -447,6 +451,8 @@ def audit(request: HttpRequest) -> HttpResponse:
         "form": form,
         "rows": [{"event": e, "text": describe_event(e), "payload": event_payload(e),
                   "nodes": compact_nodes(e.nodes_after or e.nodes_before),
+                  "inputs_json": json.dumps((e.reason or {}).get("inputs", {}), indent=2, sort_keys=True),
+                  "outcome_json": json.dumps(e.outcome, indent=2, sort_keys=True) if e.outcome else "",
                   "outcomes": [{"event": o, "text": describe_event(o)} for o in e.outcomes.all()]} for e in page],
         "next_before": page[-1].pk if has_more else None,
         "query": query.urlencode(),

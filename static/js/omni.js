@@ -136,6 +136,10 @@
       this.ws.onmessage = (message) => {
         const data = JSON.parse(message.data);
         if (data.type === "error") { console.warn("omni live:", data.message); return; }
+        if (data.type === "subscribed") {  // tests (and curious people) can see the page is live
+          document.body.dataset.liveSubscribed = String(Number(document.body.dataset.liveSubscribed || 0) + 1);
+          return;
+        }
         if (data.type !== "live") return;
         const payloads = data.batch || [data.payload];
         (this.handlers[data.event] || []).forEach((h) => h(payloads, data));
@@ -278,7 +282,18 @@
         yaxis: Object.assign(baseLayout().yaxis, {title: {text: "tokens"}})}), PLOT_CONFIG);
     }
     drawAll();
-    document.addEventListener("omni:theme", drawAll);
+    document.addEventListener("omni:theme", () => {
+      // Colours come from CSS variables: redraw with the charts' current data and new colours.
+      const shapes = markerShapes(markers);
+      ["chart-step", "chart-gpu", "chart-tokens"].forEach((id) => {
+        const div = document.getElementById(id);
+        const layout = baseLayout({title: div.layout.title, shapes, showlegend: div.layout.showlegend, hovermode: div.layout.hovermode,
+          yaxis: Object.assign(baseLayout().yaxis, {range: div.layout.yaxis.range, title: div.layout.yaxis.title, type: div.layout.yaxis.type})});
+        if (id === "chart-step") layout.annotations = markerAnnotations(markers);
+        if (id === "chart-step") div.data[0].line.color = cssVar("--accent");
+        Plotly.react(div, div.data, layout, PLOT_CONFIG);
+      });
+    });
 
     function appendSteps(records) {
       // Ranks report the same step: one point per step, mean and max over ranks.
@@ -293,13 +308,9 @@
       });
       const points = Array.from(bySteps.values()).sort((a, b) => (a.t < b.t ? -1 : 1));
       if (!points.length) return;
+      // Plotly owns the trace arrays: extendTraces appends to them (no copy kept here).
       const xs = points.map((p) => p.t);
-      series.step.t.push(...xs);
-      series.step.step_s.push(...points.map((p) => p.sum / p.n));
-      series.step.step_s_max.push(...points.map((p) => p.max));
       Plotly.extendTraces("chart-step", {x: [xs, xs], y: [points.map((p) => p.sum / p.n), points.map((p) => p.max)]}, [0, 1], MAX_POINTS);
-      series.tokens.t.push(...xs);
-      modalities.forEach((m) => series.tokens[m].push(...points.map((p) => p.tokens[m] / p.n)));
       Plotly.extendTraces("chart-tokens", {x: modalities.map(() => xs), y: modalities.map((m) => points.map((p) => p.tokens[m] / p.n))}, [0, 1, 2, 3], MAX_POINTS);
       const last = points[points.length - 1];
       if (last.step !== undefined) $("#job-steps").textContent = last.step;
@@ -313,9 +324,11 @@
         const index = gpuIndex[node + ":" + gpu] !== undefined ? gpuIndex[node + ":" + gpu] : gpuIndex[s.name];
         if (index === undefined) return;
         const name = gpuNames[index];
-        const trace = series.gpus[name] = series.gpus[name] || {t: [], util: []};
         const t = recordTime(s), util = s.util_pct !== undefined ? s.util_pct : s.util;
-        trace.t.push(t); trace.util.push(util);
+        if (heat) {  // the heat strip is redrawn from series; line traces are extended in place
+          const trace = series.gpus[name] = series.gpus[name] || {t: [], util: []};
+          trace.t.push(t); trace.util.push(util);
+        }
         (perTrace[index] = perTrace[index] || {x: [], y: []}).x.push(t);
         perTrace[index].y.push(util);
       });
@@ -327,7 +340,9 @@
     }
     live.subscribe("job", data.job_id);
     ["step_records", "steps"].forEach((name) => live.on(name, (payloads) => appendSteps(payloads.flatMap(asRecords))));
-    ["gpu_samples", "gpu"].forEach((name) => live.on(name, (payloads) => appendGpus(payloads.flatMap(asRecords))));
+    // telemetry.ingest sends {job, node, node_name, points: [{gpu, at, util_pct, ...}]}.
+    ["gpu_samples", "gpu"].forEach((name) => live.on(name, (payloads) => appendGpus(payloads.flatMap(
+      (p) => asRecords(p).map((r) => Object.assign({node: p.node, node_name: p.node_name}, r))))));
     live.on("job_event", (payloads) => payloads.forEach((p) => {
       const e = p.event, job = p.job;
       const log = $("#event-log");

@@ -1,0 +1,415 @@
+"""The pages in a real browser (Debian's Chromium through Playwright) against a real ASGI server.
+
+pytest-django's ``live_server`` speaks WSGI only, so these tests start ``manage.py serve`` (daphne)
+in a subprocess on the test database (PostgreSQL: a subprocess cannot share SQLite's in-memory
+test database) with a Redis channel layer on a Redis database of its own, which this process
+also uses: a change made here (an action, an audit row) reaches the browser exactly as one
+made by a Celery worker would. Telemetry goes in through the real HTTP ingestion endpoint.
+Screenshots of every page land in tests/artifacts/ (ignored by git) for a human to look at.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.db import connection, connections, transaction
+
+from jobs import actions
+from jobs.audit import record_event
+from jobs.models import EventKind, Job, Node
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+REDIS_DB = 14  # a database of its own: group names like job-1 must not meet another run's
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.postgres,
+    pytest.mark.redis,
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _redis_url() -> str:
+    base = os.environ.get("OMNI_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    return base.rsplit("/", 1)[0] + f"/{REDIS_DB}" if base.count("/") >= 3 else f"{base}/{REDIS_DB}"
+
+
+@pytest.fixture(scope="module")
+def asgi_server(django_db_setup, django_db_blocker):
+    """``manage.py serve`` on the test database and a private Redis channel layer."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"needs Chromium at {CHROMIUM} (apt-get install chromium)")
+    with django_db_blocker.unblock():
+        db = connection.settings_dict
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL: the server subprocess must share the test database")
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
+    port = _free_port()
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
+        REDIS_URL=_redis_url(),
+        SECRET_KEY="omni-browser-tests-not-secret",
+        DEBUG="1",  # production settings otherwise; DEBUG only makes daphne serve /static/
+        ALLOWED_HOSTS="127.0.0.1,localhost",
+        OMNI_TELEMETRY_LIVE_INTERVAL_S="0.5",
+    )
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log = open(ARTIFACTS / "server.log", "w")  # noqa: SIM115 - closed when the server stops
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-loop"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail("the ASGI server did not start (see tests/artifacts/server.log)")
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    server.terminate()
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()
+
+
+@pytest.fixture(autouse=True)
+def shared_channel_layer(settings):
+    """This process broadcasts through the same Redis layer as the server."""
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [_redis_url()]}}
+    }
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    # Playwright's sync API keeps an event loop in this thread; the ORM calls in these tests
+    # are ordinary synchronous ones.
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    playwright = sync_playwright().start()
+    chromium = playwright.chromium.launch(
+        executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+    )
+    yield chromium
+    chromium.close()
+    playwright.stop()
+    if previous is None:
+        os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+
+
+@pytest.fixture
+def open_as(browser, asgi_server):
+    """A fresh browser context signed in as ``user`` through the login form."""
+    contexts = []
+
+    def open_as(user, password: str | None = None, *, dark: bool = False):
+        context = browser.new_context(viewport={"width": 1280, "height": 860}, accept_downloads=True,
+                                      color_scheme="dark" if dark else "light")
+        contexts.append(context)
+        page = context.new_page()
+        page.set_default_timeout(10_000)
+        page.goto(f"{asgi_server}/login/")
+        page.fill("#id_username", user.username)
+        page.fill("#id_password", password or f"{user.username}-pass-1234")
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{asgi_server}/")
+        return page
+
+    yield open_as
+    for context in contexts:
+        context.close()
+
+
+def in_thread(fn):
+    """Run ``fn`` in a thread of its own: Playwright's sync API holds an event loop in this one,
+    and the broadcasts after commit (async_to_sync) must not run inside it."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # re-raised in the test's thread
+            result["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(120)
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def wait_live(page, subscriptions: int = 1) -> None:
+    page.wait_for_function(f"Number(document.body.dataset.liveSubscribed || 0) >= {subscriptions}")
+
+
+def post_json(url: str, body: dict, node: Node, token: str) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}", "X-Omni-Node": node.name},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read() or b"{}")
+
+
+@pytest.fixture
+def running_job(researcher, make_job, make_nodes):
+    """A researcher's job placed on two nodes' GPUs, and an agent token for the first node."""
+    def build():
+        nodes = make_nodes(racks=1, switches=1, nodes=2, gpus=4)
+        job = make_job(name="vlm-live", dp=4, dp_min=2, dp_max=8, global_batch=64, micro_batch=4)
+        job = actions.place_job(
+            job, [(nodes[0], 0), (nodes[0], 1), (nodes[1], 0), (nodes[1], 1)], actor="planner",
+            reason={"rule": "place", "text": "Placed vlm-live on 4 free GPUs next to each other.", "inputs": {}},
+        )
+        token = nodes[0].issue_token()
+        nodes[0].save(update_fields=["agent_token_hash"])
+        return job, nodes, token
+
+    return in_thread(build)
+
+
+# -- the cases ---------------------------------------------------------------------------------
+
+
+def test_each_role_signs_in_and_sees_its_pages(open_as, asgi_server, researcher, operator, auditor, running_job):
+    job, nodes, _ = running_job
+    page = open_as(researcher)
+    assert page.locator("h1").inner_text() == "My jobs"
+    assert page.locator(f"#jobs tr[data-job-id='{job.pk}']").count() == 1
+    assert page.locator("nav >> text=Audit").count() == 0
+    response = page.goto(f"{asgi_server}/audit/")
+    assert response.status == 403
+
+    page = open_as(operator)
+    page.goto(f"{asgi_server}/console/")
+    assert page.locator(".node").count() == 2
+    assert page.locator("#planner form").count() == 1
+
+    page = open_as(auditor)
+    page.goto(f"{asgi_server}/audit/")
+    assert "Hash chain verified" in page.locator("#chain-status").inner_text()
+    page.goto(f"{asgi_server}/console/")
+    assert page.locator("#planner form").count() == 0  # read-only
+
+
+def test_anonymous_visitor_is_sent_to_login(browser, asgi_server):
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(f"{asgi_server}/console/")
+    assert "/login/" in page.url
+    shot(page, "login")
+    context.close()
+
+
+def test_job_page_draws_points_written_by_the_test_within_2_s(open_as, asgi_server, researcher, running_job):
+    job, nodes, token = running_job
+    page = open_as(researcher)
+    page.goto(f"{asgi_server}/jobs/{job.pk}/")
+    wait_live(page)
+    now = time.time()
+    post_json(f"{asgi_server}/api/telemetry/gpu", {"source": "browser-test", "seq": 1, "samples": [
+        {"gpu": g, "at": now - 1 + 0.1 * g, "util_pct": 70.0 + g, "mem_used_bytes": 10**9} for g in (0, 1)
+    ]}, nodes[0], token)
+    started = time.monotonic()
+    page.wait_for_function("document.getElementById('chart-gpu').data.some(t => t.x.length >= 1)", timeout=2000)
+    assert time.monotonic() - started < 2.0
+    # telemetry.ingest throttles per group (OMNI_TELEMETRY_LIVE_INTERVAL_S, 0.5 s on this server):
+    # step records sent inside that interval would wait for the group's next message.
+    time.sleep(0.6)
+    post_json(f"{asgi_server}/api/telemetry/steps", {"source": "browser-test-steps", "seq": 1, "samples": [
+        {"job": job.pk, "rank": r, "step": 41, "at": time.time() - 0.5, "step_s": 1.9 + 0.1 * r,
+         "tokens": {"text": 900, "image": 2400}} for r in range(2)
+    ]}, nodes[0], token)
+    started = time.monotonic()
+    page.wait_for_function("document.getElementById('chart-step').data[0].x.length >= 1", timeout=2000)
+    assert time.monotonic() - started < 2.0
+    step = page.evaluate("document.getElementById('chart-step').data[0]")
+    assert step["y"] == [pytest.approx(1.95)]
+    # Plotly drew them: SVG traces exist in both charts, not just data in memory.
+    assert page.locator("#chart-step .scatterlayer .trace").count() >= 1
+    assert page.locator("#chart-gpu .scatterlayer .trace").count() >= 1
+    assert int(page.locator("#live-points").inner_text()) >= 3
+    shot(page, "job-live")
+
+
+def test_preempt_event_appears_in_the_live_log(open_as, asgi_server, researcher, running_job):
+    job, nodes, _ = running_job
+    page = open_as(researcher)
+    page.goto(f"{asgi_server}/jobs/{job.pk}/")
+    wait_live(page)
+    def preempt() -> None:
+        with transaction.atomic():
+            record_event(
+                EventKind.PREEMPT, job=job, actor="planner", nodes_before=[n.name for n in nodes],
+                gpus_before=4, gpus_after=0, dp_before=4, dp_after=4, accum_before=4, accum_after=4,
+                global_batch=64,
+                reason={"rule": "reservation_window",
+                        "text": "Preempted to return GPUs reserved for omni-7b, whose window starts 14:05.",
+                        "inputs": {"reservation": "omni-7b-hourly"}},
+                outcome={"checkpoint_step": 4200, "save_s": 21},
+            )
+
+    in_thread(preempt)
+    entry = page.locator("#event-log li", has_text="Preempted to return GPUs reserved for omni-7b")
+    entry.wait_for(timeout=2000)
+    assert "checkpoint at step 4200 saved in 21 s" in entry.inner_text()
+    assert page.evaluate("document.getElementById('chart-step').layout.shapes.length") >= 2
+
+
+def test_operator_drains_a_node_and_the_audit_page_shows_it(open_as, asgi_server, operator, running_job):
+    job, nodes, _ = running_job
+    page = open_as(operator)
+    page.goto(f"{asgi_server}/console/")
+    wait_live(page)
+    page.click(f"#node-{nodes[1].name}")
+    page.click("#node-detail button[data-action=drain]")
+    dialog = page.locator("#confirm-dialog")
+    assert f"Drain {nodes[1].name}?" in dialog.inner_text()
+    shot(page, "console-confirm-drain")
+    page.click("#confirm-ok")
+    page.wait_for_url(f"{asgi_server}/console/#node-{nodes[1].name}")
+    assert f"{nodes[1].name} draining." in page.locator(".messages").inner_text()
+    assert "h-draining" in page.locator(f"#node-{nodes[1].name}").get_attribute("class")
+    assert Node.objects.get(pk=nodes[1].pk).state == "draining"
+    page.goto(f"{asgi_server}/audit/?kind=drain")
+    row = page.locator("#audit-table tr.expandable").first
+    assert f"olive drained {nodes[1].name}; running there: vlm-live" in row.inner_text()
+    row.click()
+    assert '"to": "draining"' in page.locator("#audit-table tr.detail").first.inner_text()
+
+
+def test_auditor_gets_403_on_drain(open_as, asgi_server, auditor, running_job):
+    _, nodes, _ = running_job
+    page = open_as(auditor)
+    page.goto(f"{asgi_server}/console/")
+    assert page.locator("#node-detail button[data-action=drain]").count() == 0
+    token = next(c["value"] for c in page.context.cookies() if c["name"] == "csrftoken")
+    response = page.request.post(f"{asgi_server}/console/nodes/{nodes[0].pk}/drain/",
+                                 headers={"X-CSRFToken": token}, max_redirects=0)
+    assert response.status == 403
+    api = page.request.post(f"{asgi_server}/api/nodes/{nodes[0].pk}/drain/", headers={"X-CSRFToken": token})
+    assert api.status == 403
+    assert Node.objects.get(pk=nodes[0].pk).state == "healthy"
+
+
+def test_csv_export_of_n_rows_downloads_n_rows(open_as, asgi_server, auditor, make_job):
+    n = 130  # more than one page of the table (100)
+    in_thread(lambda: [make_job(name=f"sweep-{i:03d}") for i in range(n)])
+    page = open_as(auditor)
+    page.goto(f"{asgi_server}/audit/?kind=submit")
+    assert page.locator("#audit-table tr.expandable").count() == 100
+    with page.expect_download() as download_info:
+        page.click("#export-csv")
+    path = download_info.value.path()
+    rows = list(csv.reader(io.StringIO(Path(path).read_text())))
+    assert rows[0][:3] == ["id", "at", "kind"]
+    assert len(rows) - 1 == n
+    assert {row[2] for row in rows[1:]} == {"submit"}
+    json_rows = page.request.get(f"{asgi_server}/audit/export.json?kind=submit").json()
+    assert len(json_rows) == n
+
+
+def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, django_user_model):
+    """Not an assertion-heavy test: a believable cluster, pictures of every page, light and dark."""
+    from django.core.management import call_command
+
+    from telemetry.ingest import ingest_gpu_batch, ingest_step_batch
+
+    def seed() -> tuple[Job, Job]:
+        call_command("seed_demo", stdout=io.StringIO())
+        now = time.time()
+        for job in Job.objects.filter(state="running"):
+            held = {}
+            for allocation in job.allocations.select_related("node"):
+                held.setdefault(allocation.node, []).append(allocation.gpu_index)
+            for seq, (node, gpus) in enumerate(held.items()):
+                samples = [
+                    {"gpu": g, "at": now - 1800 + s, "util_pct": max(0.0, min(100.0, 82 + 12 * ((s // 60 + g) % 5 - 2)
+                                                                           - (60 if 900 < s < 960 else 0))),
+                     "mem_used_bytes": 6 * 10**10}
+                    for s in range(0, 1800, 20) for g in gpus
+                ]
+                ingest_gpu_batch(node, {"source": f"shots-{job.pk}", "seq": seq, "samples": samples})
+            node = next(iter(held))
+            steps = [{"job": job.pk, "rank": 0, "step": i, "at": now - 1800 + 20 * i,
+                      "step_s": job.step_s * (1.0 + (0.35 if 45 <= i < 48 else 0.03 * ((i % 7) - 3) / 3)),
+                      "tokens": {"text": 800 + 10 * (i % 9), "image": 2100 + 40 * (i % 5), "video": 500 * (i % 3)}}
+                     for i in range(90)]
+            ingest_step_batch(node, {"source": f"shots-steps-{job.pk}", "seq": 0, "samples": steps})
+        job = Job.objects.get(name="sft-chat")
+        with transaction.atomic():
+            record_event(EventKind.CHECKPOINT, job=job, actor="agent:r0s1n0", outcome={"checkpoint_step": 88, "save_s": 21.4},
+                         reason={"rule": "checkpoint", "text": "Checkpoint saved on schedule.", "inputs": {}})
+        pending = Job.objects.get(name="rlhf-reward")
+        with transaction.atomic():
+            record_event(EventKind.HOLD, job=pending, actor="planner",
+                         reason={"rule": "no_capacity", "text": "Waiting for 8 GPUs: the free ones are reserved for "
+                                 "omni-7b, whose window opens in 12 min; best-effort jobs hold none that could be reclaimed.",
+                                 "inputs": {"wants": 8, "free": 0}})
+        return job, pending
+
+    job, pending = in_thread(seed)
+    users = {u.username: u for u in django_user_model.objects.filter(username__in=["alice", "olga", "audrey"])}
+    page = open_as(users["alice"], "omni-demo-pass")
+    shot(page, "dashboard-researcher")
+    page.goto(f"{asgi_server}/jobs/{job.pk}/?range=1h")
+    page.wait_for_function("document.getElementById('chart-gpu').data.length > 0")
+    shot(page, "job-page")
+    page.goto(f"{asgi_server}/jobs/{pending.pk}/")
+    shot(page, "job-pending")
+    page = open_as(users["olga"], "omni-demo-pass")
+    shot(page, "dashboard-operator")
+    page.goto(f"{asgi_server}/console/")
+    page.click("#node-r0s0n0")
+    shot(page, "console")
+    page.goto(f"{asgi_server}/console/reservations/new/")
+    page.fill("#id_name", "omni-7b-extra")
+    page.select_option("#id_job", label="omni-7b")
+    page.fill("#id_gpus", "3")
+    page.fill("#id_start_at", "2026-12-01T10:00")
+    page.click("#reservation-form button[type=submit]")
+    assert "not a whole number" in page.locator("#reservation-form").inner_text()
+    shot(page, "reservation-form-errors")
+    page = open_as(users["audrey"], "omni-demo-pass", dark=True)
+    page.goto(f"{asgi_server}/audit/")
+    page.locator("#audit-table tr.expandable").nth(2).click()
+    shot(page, "audit-dark")
+    page.goto(f"{asgi_server}/console/")
+    shot(page, "console-dark")
