@@ -33,6 +33,8 @@ class PlannerConfig:
     straggler_factor: float = 1.2
     #: Migration must save at least this multiple of its cost.
     migrate_gain_factor: float = 2.0
+    #: An idle phase is lent out only if at least this much of it remains (rule 3).
+    idle_lend_min_s: float = 300.0
     #: Waiting this long raises a job's queue standing by one class step (rule 8).
     ageing_s: float = 7200.0
     #: ``graceful`` (omni) or ``kill`` (the kill_preempt baseline).

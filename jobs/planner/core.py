@@ -24,7 +24,7 @@ from jobs.planner.entitlements import is_active, next_boundary_s, next_start_s
 from jobs.planner.faults import continue_on_survivors_dp, straggler_gain, surviving_replicas
 from jobs.planner.harvest import PoolState, lendable_gpus, pool_state, reclaim_due_s
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of, valid_dps
-from jobs.planner.rhythm import predict, reclaim_lead_time, step_time_at
+from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time, step_time_at
 from jobs.planner.snapshot import (
     PLACEABLE_HEALTH,
     PRIORITY_RANK,
@@ -59,6 +59,17 @@ TIER_OTHER = 3
 def plan(snapshot: Snapshot, now_s: float, config: PlannerConfig | None = None) -> Plan:
     """Decide what every job should do now. Pure and deterministic; see the module docstring."""
     return PlanningPass(snapshot, now_s, config or PlannerConfig()).run()
+
+
+def _pool_label(name: str) -> str:
+    """How a pool is named to a researcher: a reservation, or a job's lent-out idle phase."""
+    if name.startswith("idle:"):
+        return f"the idle phase of {name[5:]}"
+    return f"reservation '{name}'"
+
+
+def _upper_first(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _replicas(n: int) -> str:
@@ -268,7 +279,7 @@ class PlanningPass:
         }
         if self.kill:
             text = (
-                f"Reservation '{res.name}' needs its GPUs now; the job was stopped without a "
+                f"{_upper_first(_pool_label(res.name))} needs its GPUs now; the job was stopped without a "
                 f"checkpoint to return {len(opt.freed)} GPUs at once."
             )
             deadline = self.now
@@ -276,13 +287,13 @@ class PlanningPass:
             deadline = max(need_s, self.now + lead_s)
             if need_s <= self.now + 1e-9:
                 text = (
-                    f"Reservation '{res.name}' needs these GPUs now (its job became entitled or lost "
+                    f"{_upper_first(_pool_label(res.name))} needs these GPUs now (its job became entitled or lost "
                     f"GPUs to a fault); the job saves its checkpoint and returns {len(opt.freed)} GPUs "
                     f"within {lead_s:.0f}s (predicted save x safety {self.config.safety_factor} + step + margin)."
                 )
             else:
                 text = (
-                    f"Reservation '{res.name}' needs its GPUs at {_fmt_t(need_s)}; the loan ends now, "
+                    f"{_upper_first(_pool_label(res.name))} needs its GPUs at {_fmt_t(need_s)}; the loan ends now, "
                     f"{lead_s:.0f}s ahead (predicted save {inputs['predicted_save_s']:.0f}s x safety "
                     f"{self.config.safety_factor} + step + margin), so the job saves before then."
                 )
@@ -344,6 +355,52 @@ class PlanningPass:
                               "job saves its checkpoint and waits to be placed elsewhere.", inputs),
                        deadline_s=deadline, graceful=not self.kill, forced=True)
 
+    # --- 2b. idle phases (rule 3) ------------------------------------------------------------
+
+    def _lend_idle_phases(self) -> None:
+        """Lend the GPUs of jobs in a known idle phase to waiting work, for the phase's length."""
+        idle = [j for j in self.jobs.values()
+                if j.idle_until_s is not None and j.holdings and j.phase == "running"
+                and j.name not in self.busy and j.name not in self.acted
+                and j.idle_until_s - self.now >= self.config.idle_lend_min_s]
+        if not idle:
+            return
+        waiting = [j for j in self.jobs.values()
+                   if j.phase in WAITING_PHASES and not j.parked and j.priority != "critical"
+                   and j.name not in self.busy and self._dormant_between_windows(j) is None]
+        if not waiting:
+            return
+        for job in idle:
+            nodes = {g.node for g in job.gpus}
+            whole = all(
+                self.view.zone_of_node.get(n) is None
+                and self.nodes[n].health in PLACEABLE_HEALTH
+                and len(self.view.held_by_node.get(n, ())) == self.nodes[n].gpus
+                and all(self.view.owner.get(Gpu(n, i)) == job.name for i in range(self.nodes[n].gpus))
+                for n in nodes
+            )
+            if not whole:
+                continue
+            remaining_s = job.idle_until_s - self.now  # type: ignore[operator]
+            p = predict(job, self.config)
+            takers = [
+                w.name for w in waiting
+                if w.dp_min * w.tp * w.pp <= len(job.holdings)
+                and min_loan_window_s(w, w.dp_min, self.config) + p.load_s <= remaining_s
+            ]
+            if not takers:
+                continue
+            self._emit("lend", job, (),
+                       Reason("harvest.idle",
+                              f"The job is in a known idle phase for another {remaining_s:.0f}s; its "
+                              f"{len(job.holdings)} GPUs are lent to waiting work ({', '.join(sorted(takers)[:3])}) "
+                              f"and reclaimed with a checkpoint before {_fmt_t(job.idle_until_s)}, when it "
+                              f"reloads ({p.load_s:.0f}s) and continues.",
+                              {"idle_until_s": job.idle_until_s, "idle_remaining_s": round(remaining_s, 1),
+                               "gpus_lent": len(job.holdings), "predicted_load_s": p.load_s,
+                               "candidates": sorted(takers)[:5]}),
+                       deadline_s=job.idle_until_s)
+
     # --- 3. the waiting queue -----------------------------------------------------------------
 
     def _zones_for(self, job: Job, dp: int) -> dict[str | None, int | None]:
@@ -366,7 +423,7 @@ class PlanningPass:
         return zones
 
     def _tier(self, job: Job) -> int:
-        if job.priority == "critical" and self._entitled_now(job):
+        if self._entitled_now(job):
             return TIER_ENTITLED
         if job.phase == "recovering":
             return TIER_RECOVERING
@@ -384,6 +441,12 @@ class PlanningPass:
                 h.gpu.node in lost_nodes or h.gpu.node not in self.nodes for h in job.holdings
             )
             if job.phase in WAITING_PHASES or job.phase == "recovering" or has_lost:
+                if job.parked and job.idle_until_s is not None and job.idle_until_s > self.now:
+                    self._hold(job, "idle_phase",
+                               f"In an idle phase (evaluation or data stall) until {_fmt_t(job.idle_until_s)}; "
+                               f"its {len(job.parked)} GPUs are lent meanwhile and come back by then.",
+                               idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
+                    continue
                 dormant = self._dormant_between_windows(job)
                 if dormant is not None and not job.holdings:
                     t = next_start_s(dormant, self.now)
@@ -413,7 +476,7 @@ class PlanningPass:
         held_dp = len(survivors)
         survivor_gpus = [g for r in survivors for g in r]
         anchor = sorted({g.node for g in survivor_gpus}) or sorted({g.node for g in job.gpus})
-        entitled = job.priority == "critical" and self._entitled_now(job)
+        entitled = self._entitled_now(job)
         dps = [d for d in reversed(valid_dps(job)) if d <= job.dp]
         if not dps:
             dps = list(reversed(valid_dps(job)))
@@ -485,7 +548,7 @@ class PlanningPass:
             n, window_s, needed_s = lendable_gpus(pool, job, job.dp_min, self.now, self.config)
             if n < pool.free_gpus:
                 lend_notes.append(
-                    f"{pool.free_gpus - n} GPUs reserved by '{name}' are free but the window before "
+                    f"{pool.free_gpus - n} GPUs of {_pool_label(name)} are free but the window before "
                     f"they are needed ({window_s:.0f}s) is shorter than this job needs "
                     f"({needed_s:.0f}s: start-up, load, {self.config.min_loan_steps} steps, save)"
                 )
@@ -580,10 +643,10 @@ class PlanningPass:
                 elif n < pool.free_gpus or window_s <= 0:
                     window_notes.append(f"they are spares of '{z}' beyond what its next window needs")
                 else:
-                    window_notes.append(f"'{z}' needs them in {window_s:.0f}s and this job needs a window "
+                    window_notes.append(f"{_pool_label(z)} needs them in {window_s:.0f}s and this job needs a window "
                                         f"of {needed_s:.0f}s (start-up, load, {self.config.min_loan_steps} "
                                         f"steps, save)")
-            text = (f"Started on {_replicas(dp)} ({len(after)} GPUs, {spread.describe()}) using reserved "
+            text = (f"Started on {_replicas(dp)} ({len(after)} GPUs, {spread.describe()}) using lent "
                     f"GPUs nobody is using now: {'; '.join(window_notes)}.")
             if loan_end < INFINITY:
                 text += f" The loan ends {_fmt_t(loan_end)}; the job will be asked to save ahead of it."
@@ -597,7 +660,13 @@ class PlanningPass:
         else:
             kind_out = "place"
             rule = "entitlement" if entitled else "placement"
-            who = "its reservation is active" if entitled else f"{len(after)} GPUs were free"
+            own_active = [r.name for r in self.res_of_job.get(job.name, ()) if is_active(r, self.now)]
+            if own_active and own_active[0].startswith("idle:"):
+                who = "its idle phase is over and its lent GPUs are back"
+            elif entitled:
+                who = "its reservation is active"
+            else:
+                who = f"{len(after)} GPUs were free"
             text = f"Started on {_replicas(dp)} ({len(after)} GPUs, {spread.describe()}): {who}."
         if dp != job.dp:
             text += (f" Runs at dp {dp} instead of {job.dp} with accumulation {accum_steps(job, dp)}, "
@@ -821,6 +890,7 @@ class PlanningPass:
             return Plan(tuple(self.actions), None, paused=True)
         self._reservations()
         self._drains()
+        self._lend_idle_phases()
         self._queue()
         self._stragglers()
         self._grow()

@@ -9,6 +9,8 @@ Action kinds and what applying one means:
 ``place``    start a waiting job on ``gpus_after`` (loads its checkpoint unless first start).
 ``lend``     like ``place``/``grow`` but some ``gpus_after`` are reserved GPUs lent to the job
              (``borrowed_from`` names the reservation; ``deadline_s`` is when the loan ends).
+             With empty ``gpus_after`` on a job in an idle phase (rule ``harvest.idle``): the
+             job lends its own GPUs for the rest of the phase and gets them back at its end.
 ``preempt``  the job finishes its step, saves (``graceful``) or is killed (not graceful),
              and releases every GPU; ``deadline_s`` is when it must have saved.
 ``shrink``   the job saves and continues at a smaller DP on ``gpus_after`` (a subset).

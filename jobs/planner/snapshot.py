@@ -111,7 +111,9 @@ class Job:
 
     The current data-parallel size is ``len(holdings) // (tp * pp)``; ``holdings`` lists the
     GPUs it holds now (in replica order: each run of ``tp`` GPUs is one TP group, each run of
-    ``tp * pp`` one replica).
+    ``tp * pp`` one replica). ``idle_until_s`` is set while the job is in a known idle phase
+    (evaluation on CPU, data stall); ``parked`` lists the GPUs it lent out for that phase and
+    is owed back when the phase ends.
     """
 
     name: str
@@ -141,6 +143,8 @@ class Job:
     holdings: tuple[Holding, ...] = ()
     rhythm: Rhythm = field(default_factory=Rhythm)
     preemptions: int = 0
+    idle_until_s: float | None = None
+    parked: tuple[Gpu, ...] = ()
 
     @property
     def replica_gpus(self) -> int:
@@ -266,6 +270,7 @@ def job_from_dict(d: dict[str, Any]) -> Job:
         p if isinstance(p, IdlePhase) else IdlePhase(**p) for p in d.get("idle_phases", ())
     )
     d["holdings"] = tuple(holding_from(h) for h in d.get("holdings", ()))
+    d["parked"] = tuple(gpu_from(g) for g in d.get("parked", ()))
     rhythm = d.get("rhythm")
     if isinstance(rhythm, dict):
         d["rhythm"] = Rhythm(**{k: tuple(v) for k, v in rhythm.items()})

@@ -136,13 +136,13 @@ class ClusterView:
                 continue
             if limit is None:
                 for node, idx in zone_free.items():
-                    out[node] = list(idx)
+                    out.setdefault(node, []).extend(idx)
                 continue
             for node in sorted(zone_free):
                 if limit <= 0:
                     break
                 take = zone_free[node][:limit]
-                out[node] = list(take)
+                out.setdefault(node, []).extend(take)
                 limit -= len(take)
         return out
 

@@ -146,6 +146,9 @@ class SimJob:
     cached_version: int = -1
     cmd_seq: int = 0
     repace: bool = False
+    idle_until: float | None = None
+    parked: list[Gpu] = field(default_factory=list)
+    parked_until: float | None = None
 
     @property
     def rep(self) -> int:
@@ -461,9 +464,11 @@ class Simulation:
         idle = sum(p.duration_s for p in job.spec.idle_phases if job.committed % p.every_steps == 0)
         if idle > 0 and job.committed > 0:
             job.activity = "idle"
+            job.idle_until = self.now + idle
             job.epoch += 1
             self._touch(job)
             self._job_event(job, self.now + idle, "idle_end")
+            self._request_plan(self.now, urgent=False)
             return
         self._start_computing(job)
 
@@ -527,6 +532,23 @@ class Simulation:
         self._touch(job)
         self._request_plan(self.now)
         if op is None:
+            return
+        if op.kind == "park":
+            self._close_interval(job, "lent")
+            job.parked = list(job.gpus)
+            job.parked_until = job.idle_until if job.idle_until is not None else self.now
+            self._unassign(job, job.gpus + job.incoming)
+            job.incoming = []
+            self._set_layout(job, [])
+            job.run_started = None
+            job.queued_since = self.now
+            job.epoch += 1
+            if job.idle_until is not None and job.idle_until > self.now + EPS:
+                job.activity = "parked"
+                self._job_event(job, job.idle_until, "idle_end")
+            else:
+                job.idle_until = None
+                job.activity = "waiting"
             return
         if op.kind in ("release", "dormant"):
             end = "window" if op.kind == "dormant" else ("preempted" if op.graceful else "killed")
@@ -618,7 +640,13 @@ class Simulation:
         elif kind == "save_end":
             self._save_end(job)
         elif kind == "idle_end":
-            if job.op is not None:
+            job.idle_until = None
+            self._touch(job)
+            if job.activity == "parked":
+                # The phase is over: the job waits, entitled to the GPUs it lent out.
+                job.activity = "waiting"
+                self._request_plan(self.now)
+            elif job.op is not None:
                 self._stop_save_or_execute(job)
             else:
                 self._start_computing(job)
@@ -738,7 +766,9 @@ class Simulation:
         if job.cached is not None and job.cached_version == job.version and live == job.cached.committed_steps:
             return job.cached
         spec = job.spec
-        if job.recovering and job.activity == "waiting":
+        if job.activity == "parked":
+            phase = "preempted"
+        elif job.recovering and job.activity == "waiting":
             phase = "recovering"
         elif job.activity == "waiting":
             phase = "preempted" if job.ever_started and not job.dormant else "pending"
@@ -762,6 +792,8 @@ class Simulation:
             last_resize_s=job.last_resize, queued_since_s=job.queued_since, holdings=holdings,
             rhythm=rhythm,
             preemptions=job.preemptions,
+            idle_until_s=job.idle_until,
+            parked=tuple(job.parked),
         )
         job.cached = snap
         job.cached_version = job.version
@@ -775,6 +807,14 @@ class Simulation:
         )
         jobs = tuple(self._snapshot_job(self.jobs[name]) for name in sorted(self.active_names))
         reservations = tuple(r for r in self.reservations if self.jobs[r.job].terminal is None)
+        parked = [self.jobs[name] for name in sorted(self.active_names) if self.jobs[name].parked]
+        if parked:
+            reservations += tuple(
+                Reservation(f"idle:{j.spec.name}", j.spec.name, len(j.parked),
+                            start_s=j.parked_until if j.parked_until is not None else self.now,
+                            nodes=tuple(sorted({g.node for g in j.parked})))
+                for j in parked
+            )
         commands = tuple(
             Command(j.op.cmd_id, name, j.op.action_kind, j.op.deadline_s,
                     tuple(g for g in j.gpus if g not in set(j.op.after)))
@@ -824,8 +864,10 @@ class Simulation:
             new = [g for g in after if g not in set(job.gpus)]
             self._assign(job, new, new_placement=True)
             self._unassign(job, [g for g in job.gpus if g not in set(after)])
+            idle_zones = {n: f"idle:{o.spec.name}" for o in self.jobs.values() if o.parked for n in
+                          {p.node for p in o.parked}} if any(self.jobs[n].parked for n in self.active_names) else {}
             for g in after:
-                zone = self.pool_of_node.get(g.node)
+                zone = self.pool_of_node.get(g.node) or idle_zones.get(g.node)
                 if zone is not None and zone not in {r.name for r in self.reservations if r.job == spec.name}:
                     job.borrowed[g] = zone
             self._set_layout(job, after)
@@ -833,6 +875,8 @@ class Simulation:
                 return
             job.recovering = False
             job.dormant = False
+            job.parked = []
+            job.parked_until = None
             job.run_started = self.now
             if job.start_s is None:
                 job.start_s = self.now
@@ -845,6 +889,10 @@ class Simulation:
             return
         if job.op is not None:
             return  # already stopping: the planner should not have asked
+        if action.kind == "lend" and not after:
+            self._request_stop(job, Op("park", [], True, "lend", f"{spec.name}-{job.cmd_seq}", action.deadline_s, False))
+            job.cmd_seq += 1
+            return
         graceful = action.graceful
         preemption = action.kind in ("preempt", "reclaim") and not after
         cmd_id = f"{spec.name}-{job.cmd_seq}"

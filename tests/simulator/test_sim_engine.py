@@ -1,0 +1,98 @@
+"""The simulator: determinism, shipped scenarios, and the targets from issue 3."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from jobs.simulator import load_scenario, simulate
+
+SCENARIO_DIR = Path(__file__).resolve().parents[2] / "jobs" / "scenarios"
+# Trace-driven scenarios (thousands of jobs) are replayed by bench/simulate.py, not here.
+SMALL = sorted(p for p in SCENARIO_DIR.glob("*.json") if len(json.loads(p.read_text())["jobs"]) <= 200)
+HARVEST = ("harvest-before-reservation", "recurring-window", "spares-node-failure", "shrink-64-to-32", "idle-phases")
+
+
+@cache
+def _run(name: str, policy: str) -> dict:
+    return simulate(load_scenario(SCENARIO_DIR / f"{name}.json"), policy, record_events=True)
+
+
+def test_every_shipped_scenario_has_a_comment() -> None:
+    for path in SMALL:
+        assert load_scenario(path).comment, path.name
+
+
+@pytest.mark.parametrize("path", SMALL, ids=lambda p: p.stem)
+def test_shipped_scenario_has_no_invariant_violation_under_any_policy(path: Path) -> None:
+    for policy in ("omni", "static", "kill_preempt"):
+        result = _run(path.stem, policy)
+        assert result["invariant_violations"] == [], (policy, result["invariant_violations"][:3])
+
+
+@pytest.mark.parametrize("path", SMALL, ids=lambda p: p.stem)
+def test_omni_keeps_reservations_whole(path: Path) -> None:
+    assert _run(path.stem, "omni")["reservation_shortfall_faults_aside"] <= 0.005
+
+
+@pytest.mark.parametrize("name", HARVEST)
+def test_harvesting_beats_static_by_15_points(name: str) -> None:
+    gain = _run(name, "omni")["utilization"] - _run(name, "static")["utilization"]
+    assert gain >= 0.15, gain
+
+
+@pytest.mark.parametrize("path", SMALL, ids=lambda p: p.stem)
+def test_graceful_reclaim_loses_at_most_a_tenth_of_kill_preempt(path: Path) -> None:
+    omni = _run(path.stem, "omni")["lost_gpu_s_by_cause"]["kill"]
+    kill = _run(path.stem, "kill_preempt")["lost_gpu_s_by_cause"]["kill"]
+    assert omni <= 0.1 * kill + 1e-9
+
+
+def test_same_seed_same_output_and_another_seed_differs() -> None:
+    scenario = load_scenario(SCENARIO_DIR / "recurring-window.json")
+    a = simulate(scenario, "omni", record_events=True)
+    b = simulate(scenario, "omni", record_events=True)
+    for r in (a, b):
+        r.pop("wall_s")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    from dataclasses import replace
+
+    c = simulate(replace(scenario, seed=scenario.seed + 1), "omni")
+    assert c["utilization"] != a["utilization"]
+
+
+def test_shrink_scenario_doubles_accumulation_and_keeps_the_global_batch() -> None:
+    events = _run("shrink-64-to-32", "omni")["events"]
+    (reclaim,) = [e for e in events if e["kind"] == "reclaim"]
+    assert (reclaim["gpus_before"], reclaim["gpus_after"]) == (64, 32)
+    assert (reclaim["accum_before"], reclaim["accum_after"]) == (8, 16)
+    assert reclaim["global_batch"] == 1024
+    assert reclaim["t"] < 3600.0  # asked ahead of the reservation
+
+
+def test_starvation_scenario_starts_every_regular_job_under_omni_only() -> None:
+    omni = {j["name"]: j for j in _run("starvation", "omni")["jobs"]}
+    static = {j["name"]: j for j in _run("starvation", "static")["jobs"]}
+    for name in ("reg-b", "reg-c"):
+        assert omni[name]["start_s"] is not None
+        assert omni[name]["start_s"] - omni[name]["submit_s"] <= 7200.0 + 1200.0
+        assert static[name]["start_s"] is None
+
+
+def test_results_carry_the_format_fields_and_a_timeline() -> None:
+    result = _run("spares-node-failure", "omni")
+    for key in ("scenario", "policy", "utilization", "reservation_shortfall", "preemptions",
+                "graceful_preemptions", "lost_gpu_s", "invariant_violations", "jobs", "events", "timeline"):
+        assert key in result
+    job = result["jobs"][0]
+    assert {"name", "priority", "submit_s", "start_s", "end_s", "steps_done", "preemptions", "jct_s"} <= set(job)
+    sample = result["timeline"][0]
+    assert {"t", "allocated", "useful", "entitled", "delivered"} <= set(sample)
+    assert sample["entitled"]["omni-7b"] == 32
+    event = result["events"][0]
+    assert {"t", "kind", "job", "dp_before", "dp_after", "accum_before", "accum_after", "global_batch",
+            "reason"} <= set(event)
+    json.dumps(result, allow_nan=False)
