@@ -484,10 +484,22 @@ def _trigger_plan(trigger: str) -> None:
 
 
 def _dispatch_on_commit(node_ids: set[int]) -> None:
+    """Send the nodes' new commands once the transaction commits.
+
+    The send runs right in the committing process, not through a Celery hop: the outbox rows
+    are already durable, so a send lost here is re-sent by ``sweep_commands`` after the ack
+    timeout (and replayed on reconnect), while the common case saves a broker round trip.
+    """
     from jobs.tasks import dispatch_node_commands
 
+    def send(node_id: int) -> None:
+        try:
+            dispatch_node_commands(node_id)
+        except Exception:
+            control_logger.warning("dispatch to node %s failed; the sweep will resend", node_id, exc_info=True)
+
     for node_id in sorted(node_ids):
-        dispatch_node_commands.delay_on_commit(node_id)
+        transaction.on_commit(lambda node_id=node_id: send(node_id))
 
 
 def _job_payload(job: Job, gpus: list[tuple[str, int]], node_name: str, leader: str) -> dict[str, Any]:
@@ -1129,19 +1141,20 @@ def record_heartbeat(node: Node, workers: list[dict[str, Any]]) -> None:
         ).update(last_checkpoint_step=step, last_checkpoint_at=now)
 
 
-def record_step_records(node: Node, job_name: str, records: list[dict[str, Any]]) -> int:
+def record_step_records(node: Node, job_name: str, records: list[dict[str, Any]]) -> tuple[int, int | None]:
     """Progress from a worker's step records: the job's committed step moves forward (never back
-    past a fault's rollback, which resets it). Returns the newest step, or -1 when stale."""
+    past a fault's rollback, which resets it). Returns (newest step, job id), (-1, None) when
+    the job is not running on this node."""
     steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
     if not steps:
-        return -1
+        return -1, None
     newest = max(steps)
     job = Job.objects.filter(name=job_name, allocations__node=node).distinct().first()
     if job is None or job.state not in (JobState.RUNNING, JobState.CHECKPOINTING, JobState.RESIZING):
-        return -1
+        return -1, None
     newest = min(newest, job.total_steps)
     Job.objects.filter(pk=job.pk, committed_steps__lt=newest).update(committed_steps=newest)
-    return newest
+    return newest, job.pk
 
 
 @transaction.atomic

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
@@ -59,19 +60,67 @@ def error_frame(code: str, message: str, ref: Any = None) -> dict[str, Any]:
     return {"type": protocol.ERROR, "code": code, "message": message, "ref": ref}
 
 
-def _ingest(function_name: str, *args: Any) -> None:
-    # Telemetry is its own app (docs/telemetry.md); the control loop must keep working without it.
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
+
+
+def _ingest_gpu_samples(node: Node, frame: dict[str, Any]) -> None:
+    """Heartbeat GPU samples -> a telemetry batch (``telemetry.ingest``, docs/telemetry.md)."""
+    from telemetry.ingest import ingest_gpu_batch
+
+    samples = []
+    for sample in frame.get("gpus", []):
+        if not isinstance(sample, dict) or not isinstance(sample.get("index"), int):
+            continue
+        util = _number(sample.get("util"))
+        row = {"gpu": sample["index"], "at": _number(sample.get("t")) or _number(frame.get("sent_at"))}
+        if util is not None:
+            row["util_pct"] = max(0.0, min(100.0, util * 100.0))
+        if isinstance(sample.get("mem_used_bytes"), int):
+            row["mem_used_bytes"] = sample["mem_used_bytes"]
+        samples.append(row)
+    if samples and isinstance(frame.get("seq"), int):
+        _store_telemetry(ingest_gpu_batch, node, {"source": _source(node, frame, "gpu"), "seq": frame["seq"],
+                                                  "samples": samples})
+
+
+def _ingest_step_records(node: Node, job_id: int, frame: dict[str, Any]) -> None:
+    """Step records -> a telemetry batch of step samples for the job (rank 0's view)."""
+    from telemetry.ingest import ingest_step_batch
+
+    samples = []
+    for record in frame["records"]:
+        row: dict[str, Any] = {"job": job_id, "rank": 0, "step": record["step"],
+                               "at": _number(record.get("at")) or _number(frame.get("sent_at"))}
+        for name in ("step_s", "data_wait_s", "compute_s", "comm_s", "loss"):
+            value = _number(record.get(name))
+            if value is not None:
+                row[name] = value
+        tokens = record.get("tokens")
+        if isinstance(tokens, dict):
+            row["tokens"] = {k: int(v) for k, v in tokens.items() if k in ("text", "image", "video", "audio")
+                             and isinstance(v, int) and not isinstance(v, bool)}
+        samples.append(row)
+    if samples and isinstance(frame.get("seq"), int):
+        _store_telemetry(ingest_step_batch, node, {"source": _source(node, frame, "steps"), "seq": frame["seq"],
+                                                   "samples": samples})
+
+
+def _source(node: Node, frame: dict[str, Any], kind: str) -> str:
+    boot = str(frame.get("boot") or "0")[:32]
+    return f"agent-{node.name}-{boot}-{kind}"[:128]
+
+
+def _store_telemetry(ingest, node: Node, batch: dict[str, Any]) -> None:
+    # Telemetry must never break the control loop: a refused batch is logged and dropped.
     try:
-        from telemetry import ingest
-    except ImportError:
-        return
-    function = getattr(ingest, function_name, None)
-    if function is None:
-        return
-    try:
-        function(*args)
+        ingest(node, batch)
+    except ValidationError as exc:
+        logger.info("telemetry batch from %s refused: %s", node.name, exc)
     except Exception:
-        logger.exception("telemetry %s failed", function_name)
+        logger.exception("telemetry batch from %s failed", node.name)
 
 
 def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
@@ -80,9 +129,7 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
     if kind == protocol.HEARTBEAT:
         workers = [w for w in frame.get("workers", []) if isinstance(w, dict)]
         actions.record_heartbeat(node, workers)
-        samples = [g for g in frame.get("gpus", []) if isinstance(g, dict)]
-        if samples:
-            _ingest("ingest_gpu_samples", node.name, samples)
+        _ingest_gpu_samples(node, frame)
         return []
     if kind == protocol.ACK:
         try:
@@ -97,10 +144,10 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
             return [error_frame("unknown_command", str(exc), frame["command"])]
         return []
     if kind == protocol.STEPS:
-        newest = actions.record_step_records(node, frame["job"], frame["records"])
+        newest, job_id = actions.record_step_records(node, frame["job"], frame["records"])
         if newest < 0:
             return [error_frame("stale_records", f"job {frame['job']!r} is not running on {node.name}", frame["job"])]
-        _ingest("ingest_step_records", node.name, frame["job"], frame["records"])
+        _ingest_step_records(node, job_id, frame)
         return []
     if kind == protocol.EXIT:
         actions.record_worker_exit(node, frame["job"], frame["outcome"])

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.db import close_old_connections
 
 from jobs import actions
 from jobs.agent_api import AuthFailure, authenticate, bearer_token, error_frame, handle_frame, parse_headers
@@ -25,6 +27,19 @@ logger = logging.getLogger("jobs.agent")
 
 # A peer that sends this many bad frames in a row is not a confused agent: close it.
 MAX_BAD_FRAMES = 20
+
+
+def _in_pool(function, *args):
+    close_old_connections()
+    try:
+        return function(*args)
+    finally:
+        close_old_connections()
+
+
+# Agent frames are handled in a thread pool rather than Channels' single database thread, so
+# one node's burst of step records never queues another node's ack behind it.
+run_in_pool = sync_to_async(_in_pool, thread_sensitive=False)
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -92,7 +107,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if frame["type"] == protocol.HELLO:
             await self.on_hello(frame)
             return
-        replies = await database_sync_to_async(handle_frame)(self.node, frame)
+        replies = await run_in_pool(handle_frame, self.node, frame)
         for reply in replies:
             await self.send_frame(reply)
 

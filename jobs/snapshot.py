@@ -44,12 +44,17 @@ def planner_config(control: PlannerControl | None = None) -> PlannerConfig:
 
 
 def _node_row(node: Node) -> ps.Node:
+    # A node whose agent has never registered cannot run anything yet: the planner sees it as
+    # cordoned (what runs there stays, nothing new lands) until its first heartbeat.
+    health = node.state
+    if node.last_heartbeat_at is None and node.state == NodeState.HEALTHY:
+        health = NodeState.CORDONED
     return ps.Node(
         name=node.name,
         rack=node.rack,
         switch=node.switch,
         gpus=node.gpu_count,
-        health=node.state,
+        health=str(health),
         speed_factor=node.speed_factor,
     )
 

@@ -327,6 +327,9 @@ class NodeAgent:
         self.dropped_records = 0
         self.ws: Any = None
         self.seq = 0
+        self.steps_seq = 0
+        # Identifies this agent process in telemetry batches: (boot, seq) de-duplicates replays.
+        self.boot = f"{int(time.time()):x}{random.randrange(1 << 16):04x}"
         self.connected = asyncio.Event()
         self.stopping = False
         self.fatal: str | None = None
@@ -340,7 +343,9 @@ class NodeAgent:
         for record in records:
             if len(self.records_out) == self.records_out.maxlen:
                 self.dropped_records += 1  # the deque drops the oldest
-            self.records_out.append({"job": job, "record": _finite(record)})
+            record = _finite(record)
+            record.setdefault("at", time.time())
+            self.records_out.append({"job": job, "record": record})
 
     async def _flush(self) -> None:
         ws = self.ws
@@ -356,8 +361,11 @@ class NodeAgent:
             while self.records_out and self.records_out[0]["job"] == job and len(batch) < 200:
                 batch.append(self.records_out[0]["record"])
                 self.records_out.popleft()
+            self.steps_seq += 1
+            frame = {"type": protocol.STEPS, "job": job, "records": batch, "boot": self.boot, "seq": self.steps_seq,
+                     "sent_at": time.time()}
             try:
-                await ws.send(protocol.dumps({"type": protocol.STEPS, "job": job, "records": batch}))
+                await ws.send(protocol.dumps(frame))
             except Exception:
                 for record in reversed(batch):
                     self.records_out.appendleft({"job": job, "record": record})
@@ -385,7 +393,7 @@ class NodeAgent:
 
     def heartbeat_frame(self) -> dict[str, Any]:
         self.seq += 1
-        return {"type": protocol.HEARTBEAT, "seq": self.seq, "sent_at": time.time(),
+        return {"type": protocol.HEARTBEAT, "seq": self.seq, "boot": self.boot, "sent_at": time.time(),
                 "gpus": self.gpus.samples(self._busy()), "workers": self._workers_report(),
                 "dropped_records": self.dropped_records}
 

@@ -26,11 +26,13 @@ def test_borrower_checkpoints_before_the_window_then_the_owner_runs_then_the_bor
     from jobs import actions
     from jobs.models import Command, ElasticEvent, EventKind
 
+    # A generous reclaim margin: on two busy cores a torch step plus a save can take seconds.
+    control_cluster.env["OMNI_PLANNER_OVERRIDES"] = '{"startup_s": 1, "reclaim_margin_s": 10, "min_loan_steps": 2}'
     _, token = make_node("n1", 2)
     crit = actions.submit_job(boss, name="crit", priority="critical", dp=2, global_batch=16, micro_batch=2,
                               total_steps=4, step_s=0.8, checkpoint_every_steps=2, checkpoint_save_s=1.0,
                               checkpoint_load_s=2.0)
-    window_at = timezone.now() + timedelta(seconds=30)
+    window_at = timezone.now() + timedelta(seconds=35)
     actions.create_reservation(boss, name="crit-window", job=crit, gpus=2, start_at=window_at,
                                period_s=3600, active_s=300)
     actions.submit_job(boss, name="be", priority="best_effort", dp=1, global_batch=16, micro_batch=2,
