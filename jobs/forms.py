@@ -65,8 +65,7 @@ class AuditFilterForm(forms.Form):
                                 widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
     job = forms.CharField(required=False, max_length=128)
     node = forms.CharField(required=False, max_length=64)
-    kind = forms.MultipleChoiceField(required=False, choices=EventKind.choices,
-                                     widget=forms.SelectMultiple(attrs={"size": 1}))
+    kind = forms.MultipleChoiceField(required=False, choices=EventKind.choices, widget=forms.CheckboxSelectMultiple)
     actor = forms.CharField(required=False, max_length=150)
     planner_run = forms.UUIDField(required=False)
 
@@ -120,7 +119,7 @@ class ReservationForm(forms.Form):
 
     name = forms.SlugField(max_length=128)
     job = forms.ModelChoiceField(queryset=Job.objects.filter(priority=Priority.CRITICAL).order_by("name"))
-    gpus = forms.IntegerField(min_value=1)
+    gpus = forms.IntegerField(min_value=1, label="GPUs")
     spares = forms.IntegerField(min_value=0, initial=0)
     start_at = forms.DateTimeField(label="Start (UTC)", widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
     end_at = forms.DateTimeField(required=False, label="End (UTC, blank = open)",

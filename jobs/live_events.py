@@ -72,14 +72,17 @@ def _seconds(value: Any) -> str:
         return str(value)
 
 
-def describe_event(event: ElasticEvent) -> str:
-    """One plain sentence for a row: the decision's own words, then what actually happened."""
+def describe_event(event: ElasticEvent, *, with_time: bool = True) -> str:
+    """One plain sentence for a row: the decision's own words, then what actually happened.
+
+    ``with_time`` starts it with the hour ("14:02 Preempted ..."), for places that show no
+    time column of their own (the dashboard's "last event")."""
     at = timezone.localtime(event.at).strftime("%H:%M")
     text = event.reason_text.strip() if isinstance(event.reason, dict) else ""
     if not text:
         subject = event.job_name or compact_nodes(event.nodes_after or event.nodes_before) or "the cluster"
         text = f"{event.get_kind_display()} {subject}."
-    sentence = f"{at} {text}"
+    sentence = f"{at} {text}" if with_time else text
     extras = []
     outcome = event.outcome if isinstance(event.outcome, dict) else {}
     step = outcome.get("checkpoint_step", outcome.get("step"))
@@ -126,6 +129,7 @@ def event_payload(event: ElasticEvent) -> dict[str, Any]:
         "global_batch": event.global_batch,
         "rule": event.reason.get("rule", "") if isinstance(event.reason, dict) else "",
         "text": describe_event(event),
+        "sentence": describe_event(event, with_time=False),
         "reason": event.reason,
         "outcome": event.outcome,
         "hash": event.hash,

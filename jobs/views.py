@@ -61,9 +61,9 @@ from jobs.models import (
     Job,
     JobState,
     Node,
+    NodeState,
     PlannerControl,
     PlannerRun,
-    Priority,
     Reservation,
 )
 
@@ -216,7 +216,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "by_node": by_node,
         "nodes_text": compact_nodes(by_node),
         "borrowed": sum(1 for a in allocations if a.borrowed_from_id),
-        "events": [{"event": e, "text": describe_event(e)} for e in events],
+        "events": [{"event": e, "text": describe_event(e, with_time=False)} for e in events],
         "checkpoints": checkpoints[:20],
         "why": pending_reason(job, hold) if job.state in (JobState.PENDING, JobState.PREEMPTED) else "",
         "hold": hold,
@@ -313,8 +313,8 @@ def console(request: HttpRequest) -> HttpResponse:
         "console_data": {
             "gantt": gantt, "since": since.isoformat(), "until": until.isoformat(), "now": now.isoformat(),
             "utilisation": utilisation_series(now - timedelta(hours=24), now), "gpus_total": gpus_total,
+            "node_actions": NODE_ACTIONS_FROM,
         },
-        "priorities": Priority.choices,
     }
     return render(request, "jobs/console.html", context)
 
@@ -326,6 +326,15 @@ def _health_counts(nodes: list[Node]) -> list[tuple[str, str, int]]:
     return [(state, label, counts[state]) for state, label in Node._meta.get_field("state").choices
             if counts.get(state)]
 
+
+# Which node actions make sense from which health state (the buttons the console offers).
+NODE_ACTIONS_FROM: dict[str, list[str]] = {
+    NodeState.HEALTHY: ["cordon", "drain"],
+    NodeState.SUSPECT: ["cordon", "drain", "repair"],
+    NodeState.FAILED: ["cordon", "repair"],
+    NodeState.CORDONED: ["uncordon", "drain"],
+    NodeState.DRAINING: ["uncordon", "cordon"],
+}
 
 NODE_ACTIONS: dict[str, tuple[Callable[..., Node], str]] = {
     "cordon": (actions.cordon_node, "cordoned"),
@@ -449,11 +458,14 @@ def audit(request: HttpRequest) -> HttpResponse:
     context = {
         **_page_context(request, "audit"),
         "form": form,
-        "rows": [{"event": e, "text": describe_event(e), "payload": event_payload(e),
+        "rows": [{"event": e, "text": describe_event(e, with_time=False), "payload": event_payload(e),
+                  "gpus": _change(e.gpus_before, e.gpus_after),
+                  "layout": _change(_layout(e.dp_before, e.accum_before), _layout(e.dp_after, e.accum_after)),
                   "nodes": compact_nodes(e.nodes_after or e.nodes_before),
                   "inputs_json": json.dumps((e.reason or {}).get("inputs", {}), indent=2, sort_keys=True),
                   "outcome_json": json.dumps(e.outcome, indent=2, sort_keys=True) if e.outcome else "",
-                  "outcomes": [{"event": o, "text": describe_event(o)} for o in e.outcomes.all()]} for e in page],
+                  "outcomes": [{"event": o, "text": describe_event(o, with_time=False)} for o in e.outcomes.all()]}
+                 for e in page],
         "next_before": page[-1].pk if has_more else None,
         "query": query.urlencode(),
         "chain": chain_status(),
@@ -463,10 +475,29 @@ def audit(request: HttpRequest) -> HttpResponse:
     return render(request, "jobs/audit.html", context)
 
 
+def _layout(dp: int | None, accum: int | None) -> str | None:
+    return None if dp is None and accum is None else f"{dp if dp is not None else '·'}×{accum if accum is not None else '·'}"
+
+
+def _change(before: Any, after: Any) -> str:
+    """"4 → 2", "→ 8" (nothing before), "4 →" (nothing after), "" (neither)."""
+    if before is None and after is None:
+        return ""
+    if before is None:
+        return f"→ {after}"
+    if after is None:
+        return f"{before} →"
+    return str(before) if before == after else f"{before} → {after}"
+
+
 def chain_status(budget_rows: int = CHAIN_VERIFY_BUDGET_ROWS) -> dict[str, Any]:
     """Verify the chain incrementally: rows already checked are remembered (their last hash),
     so each page load checks only what was appended since, at most ``budget_rows`` of it."""
-    state = cache.get(CHAIN_CACHE_KEY) or {"last_id": 0, "last_hash": GENESIS_HASH, "checked": 0, "bad": None}
+    fresh = {"last_id": 0, "last_hash": GENESIS_HASH, "checked": 0, "bad": None}
+    state = cache.get(CHAIN_CACHE_KEY) or fresh
+    if state["last_id"] and not ElasticEvent.objects.filter(id=state["last_id"], hash=state["last_hash"]).exists():
+        # The row we verified up to is gone or changed (a restored or rebuilt database): start over.
+        state = dict(fresh)
     if state["bad"] is None:
         remaining = budget_rows
         while remaining > 0:
@@ -484,7 +515,8 @@ def chain_status(budget_rows: int = CHAIN_VERIFY_BUDGET_ROWS) -> dict[str, Any]:
             if state["bad"] is not None:
                 break
             remaining -= len(chunk)
-        cache.set(CHAIN_CACHE_KEY, state, 3600)
+        # A break is re-checked after a minute (someone may restore the database); progress is kept.
+        cache.set(CHAIN_CACHE_KEY, state, 60 if state["bad"] else 3600)
     total = ElasticEvent.objects.count()
     return {**state, "total": total, "complete": state["bad"] is None and state["checked"] >= total}
 

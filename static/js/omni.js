@@ -166,10 +166,10 @@
     return Object.assign({
       paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
       font: {family: getComputedStyle(document.body).fontFamily, size: 12, color: fg},
-      margin: {l: 56, r: 16, t: 30, b: 34}, hovermode: "x unified",
+      margin: {l: 56, r: 16, t: 44, b: 34}, hovermode: "x unified",
       xaxis: {type: "date", gridcolor: line, linecolor: line, zeroline: false},
       yaxis: {gridcolor: line, linecolor: line, zeroline: false, rangemode: "tozero", title: {font: {color: muted, size: 11}}},
-      legend: {orientation: "h", y: 1.12, x: 0, font: {size: 11}},
+      legend: {orientation: "h", x: 1, xanchor: "right", y: 1.0, yanchor: "bottom", font: {size: 11}},
       showlegend: true,
     }, extra || {});
   }
@@ -249,12 +249,20 @@
     data.gpu_keys.forEach((k) => addGpu(k.name, k.node, k.gpu));
     const heat = gpuNames.length > 16;
 
+    // Every chart spans the chosen range and grows to the newest live point.
+    let rangeEnd = data.until;
+    const xaxis = () => Object.assign(baseLayout().xaxis, {range: [data.since, rangeEnd]});
+    function growRange(newest) {
+      if (!newest || new Date(newest) <= new Date(rangeEnd)) return;
+      rangeEnd = newest;
+      ["chart-step", "chart-gpu", "chart-tokens"].forEach((id) => Plotly.relayout(id, {"xaxis.range": [data.since, rangeEnd]}));
+    }
     function drawAll() {
       const shapes = markerShapes(markers), annotations = markerAnnotations(markers);
       Plotly.react("chart-step", [
-        {x: series.step.t, y: series.step.step_s, name: "step time (mean over ranks)", mode: "lines", line: {color: cssVar("--accent"), width: 1.6}},
+        {x: series.step.t, y: series.step.step_s, name: "step time (mean over ranks)", mode: "lines+markers", marker: {size: 3}, line: {color: cssVar("--accent"), width: 1.6}},
         {x: series.step.t, y: series.step.step_s_max, name: "slowest rank", mode: "lines", line: {color: cssVar("--suspect"), width: 1, dash: "dot"}},
-      ], baseLayout({title: {text: "Step time (s)", font: {size: 13}, x: 0, y: 0.98}, shapes, annotations,
+      ], baseLayout({title: {text: "Step time (s)", font: {size: 13}, x: 0, y: 0.98}, shapes, annotations, xaxis: xaxis(),
         yaxis: Object.assign(baseLayout().yaxis, {title: {text: "s / step"}})}), PLOT_CONFIG);
       let gpuTraces;
       if (heat) {
@@ -270,15 +278,15 @@
       } else {
         gpuTraces = gpuNames.map((name) => {
           const t = series.gpus[name] || {t: [], util: []};
-          return {x: t.t, y: t.util, name, mode: "lines", line: {width: 1.2}};
+          return {x: t.t, y: t.util, name, mode: "lines+markers", marker: {size: 2.5}, line: {width: 1.2}};
         });
       }
-      Plotly.react("chart-gpu", gpuTraces, baseLayout({title: {text: "GPU utilisation (%)" + (heat ? " · one row per GPU" : ""), font: {size: 13}, x: 0, y: 0.98},
-        shapes, showlegend: !heat && gpuNames.length <= 16, hovermode: heat ? "closest" : "x unified",
+      Plotly.react("chart-gpu", gpuTraces, baseLayout({title: {text: "GPU utilisation (%)" + (heat ? " · one row per GPU" : ""), font: {size: 13}, x: 0, y: 0.98}, xaxis: xaxis(),
+        shapes, showlegend: !heat && gpuNames.length <= 8, hovermode: heat ? "closest" : "x unified",
         yaxis: heat ? {automargin: true, tickfont: {size: 9}} : Object.assign(baseLayout().yaxis, {range: [0, 105], title: {text: "%"}})}), PLOT_CONFIG);
       Plotly.react("chart-tokens", modalities.map((m) => ({
         x: series.tokens.t, y: series.tokens[m], name: m, stackgroup: "tokens", mode: "lines", line: {width: 0.5, color: modalityColours[m]},
-      })), baseLayout({title: {text: "Tokens per step, by modality", font: {size: 13}, x: 0, y: 0.98}, shapes,
+      })), baseLayout({title: {text: "Tokens per step, by modality", font: {size: 13}, x: 0, y: 0.98}, shapes, xaxis: xaxis(),
         yaxis: Object.assign(baseLayout().yaxis, {title: {text: "tokens"}})}), PLOT_CONFIG);
     }
     drawAll();
@@ -287,7 +295,7 @@
       const shapes = markerShapes(markers);
       ["chart-step", "chart-gpu", "chart-tokens"].forEach((id) => {
         const div = document.getElementById(id);
-        const layout = baseLayout({title: div.layout.title, shapes, showlegend: div.layout.showlegend, hovermode: div.layout.hovermode,
+        const layout = baseLayout({title: div.layout.title, shapes, showlegend: div.layout.showlegend, hovermode: div.layout.hovermode, xaxis: xaxis(),
           yaxis: Object.assign(baseLayout().yaxis, {range: div.layout.yaxis.range, title: div.layout.yaxis.title, type: div.layout.yaxis.type})});
         if (id === "chart-step") layout.annotations = markerAnnotations(markers);
         if (id === "chart-step") div.data[0].line.color = cssVar("--accent");
@@ -314,6 +322,7 @@
       Plotly.extendTraces("chart-tokens", {x: modalities.map(() => xs), y: modalities.map((m) => points.map((p) => p.tokens[m] / p.n))}, [0, 1, 2, 3], MAX_POINTS);
       const last = points[points.length - 1];
       if (last.step !== undefined) $("#job-steps").textContent = last.step;
+      growRange(xs[xs.length - 1]);
       bump(points.length);
     }
     function appendGpus(samples) {
@@ -337,6 +346,7 @@
       if (heat) drawAll();
       else Plotly.extendTraces("chart-gpu", {x: indices.map((i) => perTrace[i].x), y: indices.map((i) => perTrace[i].y)}, indices, MAX_POINTS);
       bump(indices.reduce((n, i) => n + perTrace[i].x.length, 0));
+      growRange(indices.map((i) => perTrace[i].x[perTrace[i].x.length - 1]).sort().pop());
     }
     live.subscribe("job", data.job_id);
     ["step_records", "steps"].forEach((name) => live.on(name, (payloads) => appendSteps(payloads.flatMap(asRecords))));
@@ -349,7 +359,7 @@
       $$(".empty", log).forEach((n) => n.remove());
       const li = el("li", {class: "new", "data-event-id": e.id}, [
         el("span", {class: "when", text: fmtTime(e.at)}),
-        el("span", {}, [el("span", {class: "kind kind-" + e.kind, text: e.kind}), " " + e.text]),
+        el("span", {}, [el("span", {class: "kind kind-" + e.kind, text: e.kind}), " " + (e.sentence || e.text)]),
       ]);
       log.prepend(li);
       markers.push({t: e.at, kind: e.kind, label: e.kind_label, text: e.text});
@@ -391,6 +401,8 @@
       $("[data-f=state]", detail).replaceChildren(el("span", {class: "pill health-" + button.dataset.state, text: button.dataset.stateLabel}));
       const jobs = Array.from(new Set($$(".gpu", button).map((g) => g.dataset.job).filter(Boolean)));
       $("[data-f=jobs]", detail).textContent = jobs.length ? jobs.join(", ") : "none";
+      const allowed = data.node_actions[button.dataset.state] || [];
+      $$("[data-action]", detail).forEach((b) => { b.hidden = !allowed.includes(b.dataset.action); });
     }
     $$(".node").forEach((button) => button.addEventListener("click", () => showNode(button)));
     if (isOperator) {
@@ -441,7 +453,8 @@
       const height = Math.max(140, 70 + 38 * gantt.length);
       $("#chart-gantt").style.height = height + "px";
       Plotly.react("chart-gantt", traces, baseLayout({
-        hovermode: "closest", margin: {l: 190, r: 16, t: 30, b: 30},
+        hovermode: "closest", margin: {l: 190, r: 16, t: 40, b: 30},
+        legend: {orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom", font: {size: 11}},
         xaxis: Object.assign(baseLayout().xaxis, {range: [data.since, data.until]}),
         yaxis: {type: "category", automargin: true, gridcolor: cssVar("--line"), autorange: "reversed"},
         shapes: [{type: "line", xref: "x", yref: "paper", x0: data.now, x1: data.now, y0: 0, y1: 1, line: {color: cssVar("--fg"), width: 1, dash: "dot"}}],
@@ -486,7 +499,7 @@
         el("td", {class: "num faint", text: e.id}), el("td", {class: "num", text: fmtFull(e.at)}),
         el("td", {}, [el("span", {class: "kind kind-" + e.kind, text: e.kind})]), el("td", {text: e.job || "—"}),
         el("td", {class: "mono small", text: (e.nodes_after.length ? e.nodes_after : e.nodes_before).join(", ")}),
-        el("td", {text: e.actor}), el("td", {class: "num", text: gpus}), el("td", {class: "num", text: dp}), el("td", {class: "wrap", text: e.text}),
+        el("td", {text: e.actor}), el("td", {class: "num", text: gpus}), el("td", {class: "num", text: dp}), el("td", {class: "wrap", text: e.sentence || e.text}),
       ]);
       const detail = el("tr", {class: "detail", hidden: ""}, [el("td", {colspan: "9"}, [
         el("div", {class: "grid-2"}, [
