@@ -16,6 +16,9 @@ de-duplication window are in docs/telemetry.md.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
 import math
 import threading
 import time
@@ -25,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
@@ -38,6 +42,8 @@ from telemetry import metrics
 from telemetry.copy import binary_payload, timestamptz_from_epoch_s
 from telemetry.models import BatchKind, GpuSample, StepRecord, TelemetrySource
 from telemetry.partitions import ensure_partitions, retention_for
+
+logger = logging.getLogger(__name__)
 
 WINDOW_BATCHES = 1024  # how many recent sequence numbers per source are remembered
 MAX_ERRORS_SHOWN = 100
@@ -462,8 +468,22 @@ _CLAIM_SOURCE = (
 
 
 def _claim_source(node: Node, name: str, kind: str, now: datetime) -> tuple[int, int, bytes]:
-    with connection.cursor() as cursor:
-        cursor.execute(_CLAIM_SOURCE, [node.pk, name, str(kind), b"", connection.ops.adapt_datetimefield_value(now)])
+    """Create or lock the source row; returns (id, high_seq, window bytes).
+
+    On PostgreSQL this and ``SET LOCAL synchronous_commit`` go out in one round trip (psycopg's
+    pipeline mode): per-batch round trips are most of what separates ingestion from raw COPY.
+    """
+    params = [node.pk, name, str(kind), b"", connection.ops.adapt_datetimefield_value(now)]
+    if connection.vendor != "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_CLAIM_SOURCE, params)
+            return cursor.fetchone()
+    connection.ensure_connection()
+    raw = connection.connection
+    with raw.pipeline(), raw.cursor() as cursor:
+        if settings.OMNI_TELEMETRY_ASYNC_COMMIT:
+            cursor.execute("SET LOCAL synchronous_commit TO off")
+        cursor.execute(_CLAIM_SOURCE, params)
         return cursor.fetchone()
 
 
@@ -477,9 +497,6 @@ def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now
     newest = datetime.fromtimestamp(last_s, tz=UTC)
     with transaction.atomic():
         postgres = connection.vendor == "postgresql"
-        if postgres and settings.OMNI_TELEMETRY_ASYNC_COMMIT:
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL synchronous_commit TO off")
         source_id, high_seq, window_bytes = _claim_source(node, source_name, kind, now)
         is_new, high_seq, window = accept_sequence(high_seq, int.from_bytes(bytes(window_bytes), "big"), seq)
         if not is_new:
@@ -568,9 +585,82 @@ class LiveThrottle:
 throttle = LiveThrottle()
 
 
+class LiveSender:
+    """Sends telemetry frames to the channel layer from one event-loop thread per process, so
+    ingestion never waits on ``async_to_sync`` or the layer. Frames go out after commit and may
+    be lost (a full backlog drops them, counted in /metrics): the database stays the truth and a
+    page that reconnects reloads it. Messages have jobs.live's shape."""
+
+    MAX_BACKLOG = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._backlog: set[concurrent.futures.Future] = set()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="telemetry-live", daemon=True).start()
+            return self._loop
+
+    def send(self, frames: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Queue ``(group, event, payload)`` frames; returns at once."""
+        layer = get_channel_layer()
+        if layer is None or not frames:
+            return
+        with self._lock:
+            if len(self._backlog) >= self.MAX_BACKLOG:
+                metrics.count("omni_telemetry_live_frames_dropped_total", "backlog", len(frames))
+                return
+        future = asyncio.run_coroutine_threadsafe(self._send_all(layer, frames), self._running_loop())
+        with self._lock:
+            self._backlog.add(future)
+        future.add_done_callback(self._done)
+
+    async def _send_all(self, layer, frames: list[tuple[str, str, dict[str, Any]]]) -> None:
+        for group, event, payload in frames:
+            await layer.group_send(group, {"type": "live.message", "event": event, "payload": payload})
+
+    def _done(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._backlog.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("telemetry live frame failed", exc_info=future.exception())
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until every queued frame is sent (tests, shutdown)."""
+        with self._lock:
+            pending = list(self._backlog)
+        concurrent.futures.wait(pending, timeout=timeout_s)
+
+
+live_sender = LiveSender()
+
+
+ALLOCATIONS_CACHE_S = 2.0
+_allocations: tuple[float, dict[int, dict[int, int]]] = (-math.inf, {})
+
+
 def _gpu_jobs(node_id: int) -> dict[int, int]:
-    """gpu_index -> id of the job holding it, on this node."""
-    return dict(Allocation.objects.filter(node_id=node_id).values_list("gpu_index", "job_id"))
+    """gpu_index -> id of the job holding it, on this node. One query for the whole cluster at
+    most every ALLOCATIONS_CACHE_S, so live routing costs no query per batch; a GPU that just
+    changed hands may route its points to the old job's page for that long."""
+    global _allocations
+    fetched_at, by_node = _allocations
+    if time.monotonic() - fetched_at > ALLOCATIONS_CACHE_S:
+        by_node = {}
+        for node, gpu, job in Allocation.objects.values_list("node_id", "gpu_index", "job_id"):
+            by_node.setdefault(node, {})[gpu] = job
+        _allocations = (time.monotonic(), by_node)
+    return by_node.get(node_id, {})
+
+
+def forget_allocations() -> None:
+    """Drop the allocation cache (tests; a process that just moved GPUs)."""
+    global _allocations
+    _allocations = (-math.inf, {})
 
 
 def _after_commit(kind: str, node: Node, rows: GpuRows, lag_s: float) -> None:
@@ -580,10 +670,11 @@ def _after_commit(kind: str, node: Node, rows: GpuRows, lag_s: float) -> None:
     due = throttle.offer(f"{kind}:{node.pk}", rows, settings.OMNI_TELEMETRY_LIVE_INTERVAL_S)
     if not due:
         return
+    frames: list[tuple[str, str, dict[str, Any]]] = []
     if kind == BatchKind.GPU:
         points = _gpu_points(due)
-        live.broadcast_now(
-            live.node_group(node.pk), "gpu_samples", {"node": node.pk, "node_name": node.name, "points": points}
+        frames.append(
+            (live.node_group(node.pk), "gpu_samples", {"node": node.pk, "node_name": node.name, "points": points})
         )
         gpu_jobs = _gpu_jobs(node.pk)
         by_job: dict[int, list[dict[str, Any]]] = {}
@@ -592,15 +683,15 @@ def _after_commit(kind: str, node: Node, rows: GpuRows, lag_s: float) -> None:
             if job_id is not None:
                 by_job.setdefault(job_id, []).append(point)
         for job_id, job_points in by_job.items():
-            live.broadcast_now(live.job_group(job_id), "gpu_samples",
-                               {"job": job_id, "node": node.pk, "node_name": node.name, "points": job_points})
+            frames.append((live.job_group(job_id), "gpu_samples",
+                           {"job": job_id, "node": node.pk, "node_name": node.name, "points": job_points}))
     else:
         by_job = {}
         for point in _step_points(due):
             by_job.setdefault(point["job"], []).append(point)
         for job_id, job_points in by_job.items():
-            live.broadcast_now(live.job_group(job_id), "step_records",
-                               {"job": job_id, "node": node.pk, "points": job_points})
+            frames.append((live.job_group(job_id), "step_records", {"job": job_id, "node": node.pk, "points": job_points}))
+    live_sender.send(frames)
 
 
 def _columns(chunks: list[GpuRows], names: Sequence[str]) -> tuple[dict[str, list], dict[str, list], list[float]]:

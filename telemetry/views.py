@@ -113,6 +113,9 @@ def render_metrics() -> str:
             outcomes.append(({"kind": kind, "outcome": outcome}, value))
     out.family("omni_telemetry_batches_total", "counter",
                "Batches handled by this process, by outcome (stored, duplicate, rejected).", outcomes)
+    out.family("omni_telemetry_live_frames_dropped_total", "counter",
+               "Live frames this process dropped because the channel layer fell behind.",
+               [({}, counters.get(("omni_telemetry_live_frames_dropped_total", "backlog"), 0))])
 
     # The planner, from its run records.
     recent = sorted(

@@ -14,6 +14,7 @@ def _fresh_process_state():
     metrics.reset()
     partitions.forget_known_partitions()
     ingest.throttle.__init__()
+    ingest.forget_allocations()
     yield
 
 

@@ -11,7 +11,7 @@ from django.test import override_settings
 
 from jobs import actions
 from jobs.live import job_group, node_group
-from telemetry.ingest import BatchRejected, accept_sequence, ingest_gpu_batch, ingest_step_batch
+from telemetry.ingest import BatchRejected, accept_sequence, ingest_gpu_batch, ingest_step_batch, live_sender
 from telemetry.models import GpuSample, StepRecord, TelemetrySource
 from tests.telemetry.conftest import gpu_batch
 
@@ -163,6 +163,7 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     async_to_sync(layer.group_add)(job_group(job.pk), job_channel)
     with django_capture_on_commit_callbacks(execute=True):
         ingest_gpu_batch(node, gpu_batch(seq=0, samples=8))
+    live_sender.flush()
     message = async_to_sync(layer.receive)(node_channel)
     assert message["event"] == "gpu_samples"
     assert message["payload"]["node"] == node.pk
@@ -178,3 +179,19 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     from telemetry.ingest import throttle
 
     assert sum(len(chunk) for chunk in throttle._pending[f"gpu:{node.pk}"]) == 8
+
+
+def test_step_records_reach_the_job_page_with_tokens(node, make_job, django_capture_on_commit_callbacks):
+    job = make_job()
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(job_group(job.pk), channel)
+    record = {"job": job.pk, "rank": 0, "step": 5, "at": time.time() - 1, "step_s": 1.5,
+              "tokens": {"text": 10, "video": 20}, "loss": 1.25}
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest_step_batch(node, {"source": "steps", "seq": 0, "samples": [record]})
+    live_sender.flush()
+    message = async_to_sync(layer.receive)(channel)
+    assert message["event"] == "step_records"
+    (point,) = message["payload"]["points"]
+    assert (point["step"], point["step_s"], point["loss"], point["tokens"]) == (5, 1.5, 1.25, {"text": 10, "video": 20})
