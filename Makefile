@@ -17,7 +17,7 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(PY) manage.py migrate --noinput -v0
-	$(PY) manage.py seed_demo
+	$(PY) manage.py seed_demo --story
 	$(PY) manage.py demo --host $(HOST) --port $(PORT)
 
 test: venv

@@ -16,7 +16,6 @@ from django.utils import timezone
 
 from jobs import actions
 from jobs.models import Node
-from omniweb.scheduled import Queue
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ def agent_group(node_id: int) -> str:
     return f"agent-{node_id}"
 
 
-@shared_task(name="jobs.plan_tick", ignore_result=True, queue=str(Queue.PLANNER))
+@shared_task(name="jobs.plan_tick", ignore_result=True)
 def plan_tick(trigger: str = "beat") -> None:
     """One planner pass (skipped when another holds the lock; the next tick catches up)."""
     result = actions.run_planner_pass(trigger)
@@ -37,7 +36,7 @@ def plan_tick(trigger: str = "beat") -> None:
                     result.applied, len(result.deferred), result.commands)
 
 
-@shared_task(name="jobs.monitor_heartbeats", ignore_result=True, queue=str(Queue.CONTROL))
+@shared_task(name="jobs.monitor_heartbeats", ignore_result=True)
 def monitor_heartbeats() -> None:
     """Mark silent nodes suspect, then failed (their jobs go to recovering)."""
     suspect, failed = actions.heartbeat_verdicts(timezone.now())
@@ -53,7 +52,7 @@ def monitor_heartbeats() -> None:
             pass
 
 
-@shared_task(name="jobs.sweep_commands", ignore_result=True, queue=str(Queue.CONTROL))
+@shared_task(name="jobs.sweep_commands", ignore_result=True)
 def sweep_commands() -> None:
     """Retry unacknowledged commands, expire the hopeless, and (re)send any still pending: a
     dispatch lost with a broker or channel-layer outage is sent again from the outbox."""
@@ -65,7 +64,7 @@ def sweep_commands() -> None:
         dispatch_node_commands(node_id)
 
 
-@shared_task(name="jobs.dispatch_node_commands", ignore_result=True, queue=str(Queue.CONTROL))
+@shared_task(name="jobs.dispatch_node_commands", ignore_result=True)
 def dispatch_node_commands(node_id: int) -> None:
     """Send a node's pending commands to its agent's socket (if connected) and mark them sent.
 

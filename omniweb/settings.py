@@ -159,6 +159,13 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
+# Queues by task (omniweb.scheduled.Queue): the planner never waits behind control traffic.
+CELERY_TASK_ROUTES = {
+    "jobs.plan_tick": {"queue": "planner"},
+    "jobs.monitor_heartbeats": {"queue": "control"},
+    "jobs.sweep_commands": {"queue": "control"},
+    "jobs.dispatch_node_commands": {"queue": "control"},
+}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

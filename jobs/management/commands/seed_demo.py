@@ -36,6 +36,21 @@ DEMO_JOBS = [
 ]
 
 
+# The live story of ``make demo`` (docs/control-loop.md): a small cluster whose critical job's
+# reserved GPUs are idle until its window opens a few minutes from now, so best-effort jobs
+# borrow them, are preempted with a checkpoint ahead of the window, and resume afterwards.
+# (name, owner, class, tp, pp, dp, dp_min, dp_max, global batch, micro batch, steps, step_s, ckpt every)
+STORY_JOBS = [
+    ("omni-7b", "olga", Priority.CRITICAL, 4, 1, 2, 2, 2, 16, 2, 240, 1.0, 20),
+    ("sft-chat", "alice", Priority.REGULAR, 4, 1, 2, 1, 2, 64, 2, 100_000, 2.0, 25),
+    ("video-caption", "alice", Priority.REGULAR, 4, 1, 1, 1, 1, 32, 4, 100_000, 3.0, 20),
+    ("ablation-lr", "bob", Priority.BEST_EFFORT, 1, 1, 2, 1, 2, 16, 2, 100_000, 1.0, 10),
+    ("ablation-vit", "alice", Priority.BEST_EFFORT, 1, 1, 2, 1, 2, 16, 2, 100_000, 1.0, 10),
+    ("debug-tokenizer", "bob", Priority.BEST_EFFORT, 1, 1, 1, 1, 1, 16, 2, 100_000, 1.0, 10),
+]
+STORY_WINDOW_IN_S = 150
+
+
 class Command(BaseCommand):
     help = "Seed a demo cluster (4 racks x 2 switches x 4 nodes x 8 GPUs), users, jobs and reservations."
 
@@ -44,13 +59,19 @@ class Command(BaseCommand):
         parser.add_argument("--switches-per-rack", type=int, default=2)
         parser.add_argument("--nodes-per-switch", type=int, default=4)
         parser.add_argument("--gpus-per-node", type=int, default=8)
+        parser.add_argument("--story", action="store_true",
+                            help="seed the live story of `make demo` instead: 2 racks x 3 nodes x 4 GPUs, nothing "
+                            "placed (the planner places once agents connect), a reserved window a few minutes away")
 
     @transaction.atomic
     def handle(self, *args, racks: int, switches_per_rack: int, nodes_per_switch: int,
-               gpus_per_node: int, **options) -> None:
+               gpus_per_node: int, story: bool = False, **options) -> None:
         if Node.objects.exists():
             self.stdout.write("seed_demo: the database already has a cluster; leaving it as it is.")
             self._print_logins()
+            return
+        if story:
+            self._story()
             return
         users = self._users()
         nodes = [
@@ -84,6 +105,30 @@ class Command(BaseCommand):
         )
         self.stdout.write(
             f"seed_demo: {len(nodes)} nodes ({len(nodes) * gpus_per_node} GPUs), {len(jobs)} jobs, 2 reservations."
+        )
+        self._print_logins()
+
+    def _story(self) -> None:
+        users = self._users()
+        nodes = [
+            Node(name=f"r{r}s0n{n}", rack=f"r{r}", switch=f"r{r}s0", gpu_count=4, gpu_model="H100-80GB")
+            for r in range(2) for n in range(3)
+        ]
+        Node.objects.bulk_create(nodes)
+        jobs = {}
+        for name, owner, priority, tp, pp, dp, dp_min, dp_max, gb, mb, steps, step_s, every in STORY_JOBS:
+            jobs[name] = actions.submit_job(
+                users[owner], name=name, priority=priority, tp=tp, pp=pp, dp=dp, dp_min=dp_min, dp_max=dp_max,
+                global_batch=gb, micro_batch=mb, total_steps=steps, step_s=step_s, checkpoint_every_steps=every,
+                checkpoint_save_s=2.0, checkpoint_load_s=3.0, min_run_s=0 if priority != Priority.REGULAR else None,
+            )
+        actions.create_reservation(
+            users["olga"], name="omni-7b-window", job=jobs["omni-7b"], gpus=8,
+            start_at=timezone.now() + timedelta(seconds=STORY_WINDOW_IN_S), period_s=1800, active_s=600,
+        )
+        self.stdout.write(
+            f"seed_demo --story: 6 nodes (24 GPUs), {len(jobs)} jobs; omni-7b's reserved window opens in "
+            f"{STORY_WINDOW_IN_S}s."
         )
         self._print_logins()
 
