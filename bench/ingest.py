@@ -380,6 +380,7 @@ def _query_phase(nodes: list, oldest_raw_s: float, repeats: int) -> dict:
         "query_points_per_trace_max": max((len(t["t"]) for t in traces.values()), default=0),
         "query_ms_p50": round(statistics.median(timings), 1),
         "query_ms_p95": round(_percentile(timings, 0.95), 1),
+        "query_ms_min": round(min(timings), 1),
         "cluster_query_ms_p50": round(statistics.median(cluster_timings), 1),
     }
 
@@ -390,6 +391,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from telemetry.ingest import ingest_gpu_batch
 
+    load_start = round(os.getloadavg()[0], 2)
     nodes = _nodes()
     # The throughput phases walk back in time from a minute ago; the soak then runs in real time.
     newest_s = time.time() - 60
@@ -444,6 +446,9 @@ def run(args: argparse.Namespace) -> dict:
         **query,
         "async_commit": settings.OMNI_TELEMETRY_ASYNC_COMMIT,
         "cpus": os.cpu_count(),
+        # Other processes share these cores; a load well above the core count slows every figure.
+        "load_avg_1m_start": load_start,
+        "load_avg_1m_end": round(os.getloadavg()[0], 2),
         "postgres_version": connection.cursor().connection.info.server_version,
     }
 

@@ -177,11 +177,19 @@ def _metric_sql(level: str, metrics: dict[str, tuple[str, str, str]], names: Seq
 def _binned(
     source: Source, level: str, plan: Plan, start: datetime, end: datetime,
     key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
-    metrics: dict[str, tuple[str, str, str]], names: Sequence[str],
+    metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool,
 ) -> dict[tuple, _Trace]:
-    """Bucket [start, end) of one level's table; one _Trace per key."""
-    count = "count(*)" if source.count_column is None else f"sum({source.count_column})"
-    metric_sql = _metric_sql(level, metrics, names, source.count_column or "1")
+    """Bucket [start, end) of one level's table; one _Trace per key. ``unique_per_bucket``: the
+    keys and filters pick at most one rollup row per bucket (a GPU, a job)."""
+    # A rollup read at its own resolution, one row per trace and bucket, needs no re-binning:
+    # each row is a point (the common case for week and month charts).
+    direct = unique_per_bucket and level != "raw" and plan.bucket_s == LEVEL_RESOLUTION_S[level]
+    if direct:
+        count = source.count_column
+        metric_sql = [_f8(metrics[name][1]) for name in names]
+    else:
+        count = "count(*)" if source.count_column is None else f"sum({source.count_column})"
+        metric_sql = _metric_sql(level, metrics, names, source.count_column or "1")
     selects = [*key_columns, f"{_bin_expr(source.time_column)} AS b", f"{count} AS n",
                *(f"{expr} AS m{i}" for i, expr in enumerate(metric_sql))]
     where = [f"{source.time_column} >= %s", f"{source.time_column} < %s"]
@@ -193,7 +201,9 @@ def _binned(
         where.append(f"{column} IN ({', '.join(['%s'] * len(values))})")
         params.extend(values)
     group = ", ".join([*key_columns, "b"])
-    inner = f"SELECT {', '.join(selects)} FROM {source.table} WHERE {' AND '.join(where)} GROUP BY {group}"
+    inner = f"SELECT {', '.join(selects)} FROM {source.table} WHERE {' AND '.join(where)}"
+    if not direct:
+        inner += f" GROUP BY {group}"
     keys = len(key_columns)
     result: dict[tuple, _Trace] = {}
     with connection.cursor() as cursor:
@@ -250,7 +260,7 @@ def _merge(head: _Trace, tail: _Trace, metrics: dict[str, tuple[str, str, str]])
 def _series(
     sources: dict[str, Source], watermark_prefix: str, plan: Plan, start: datetime, end: datetime,
     key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
-    metrics: dict[str, tuple[str, str, str]], names: Sequence[str],
+    metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool = True,
 ) -> dict[tuple, _Trace]:
     """Read ``plan.level`` up to its watermark and finer levels after it, merged."""
     from telemetry.models import RollupWatermark
@@ -268,7 +278,8 @@ def _series(
             mark = marks.get(f"{watermark_prefix}{level}")
             upper = min(end, mark) if mark is not None else lower
         if upper > lower:
-            part = _binned(sources[level], level, plan, lower, upper, key_columns, filters, metrics, names)
+            part = _binned(sources[level], level, plan, lower, upper, key_columns, filters, metrics, names,
+                           unique_per_bucket)
             for key, trace in part.items():
                 traces[key] = _merge(traces[key], trace, metrics) if key in traces else trace
             lower = upper
@@ -361,7 +372,7 @@ def cluster_utilisation(
     gpu_count = Node.objects.aggregate(n=Sum("gpu_count"))["n"] or 1
     plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
     names = ("util_pct", "util_max_pct")
-    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, [], [], GPU_METRICS, names)
+    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, [], [], GPU_METRICS, names, unique_per_bucket=False)
     out = {"cluster": _trace_dict(trace, plan, names) for trace in traces.values()}  # noqa: B035 - 0 or 1
     return _result(plan, start, end, out)
 

@@ -117,3 +117,21 @@ def test_job_series_cover_the_gpus_it_holds_and_its_steps(node, make_job):
     assert (trace["step"], trace["step_s"], trace["step_s_max"], trace["loss"]) == ([3.0], [1.0], [1.5], [2.0])
     latest = queries.latest_gpu_samples(node_ids=[node.pk])
     assert latest[(node.pk, 3)]["util_pct"] == 90.0
+
+
+@pytest.mark.django_db
+def test_rollup_read_at_its_own_resolution_gives_one_point_per_bucket(node):
+    start = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=4)
+    samples = [{"gpu": 5, "at": start.timestamp() + s, "util_pct": float(s // 60 * 10), "mem_used_bytes": 1}
+               for s in range(180)]
+    ingest_gpu_batch(node, {"source": "q", "seq": 0, "samples": samples})
+    for _ in range(6):
+        rollups.roll_up()
+    end = start + timedelta(minutes=5)
+    result = queries.gpu_utilisation_series(start=end - timedelta(hours=20), end=end, max_points=1200,
+                                            gpus=[(node.pk, 5)])
+    assert (result["level"], result["bucket_s"]) == ("minute", 60)
+    trace = result["traces"][f"{node.name}/5"]
+    assert trace["samples"] == [60, 60, 60]
+    assert trace["util_pct"] == [0.0, 10.0, 20.0]
+    assert trace["t"] == [start.timestamp() + 60 * i for i in range(3)]
