@@ -16,7 +16,8 @@ Everything iterates in sorted order, so the same snapshot always yields the same
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Plan, Reason
@@ -40,7 +41,6 @@ from jobs.planner.topology import ClusterView, choose_gpus, spread_of
 from jobs.planner.victims import (
     VictimOption,
     choose_victims,
-    eligible_victim,
     victim_options_off_pool,
     victim_sort_key,
 )
@@ -59,6 +59,18 @@ TIER_OTHER = 3
 def plan(snapshot: Snapshot, now_s: float, config: PlannerConfig | None = None) -> Plan:
     """Decide what every job should do now. Pure and deterministic; see the module docstring."""
     return PlanningPass(snapshot, now_s, config or PlannerConfig()).run()
+
+
+@dataclass(frozen=True, slots=True)
+class _VictimEntry:
+    """A possible victim with the facts every victim search filters on."""
+
+    job: Job
+    zones: frozenset[str | None]
+    rank: int
+    protected: bool
+    excess: bool
+    aged: bool
 
 
 def _pool_label(name: str) -> str:
@@ -118,6 +130,11 @@ class PlanningPass:
                 self.soon_free[zone] = self.soon_free.get(zone, 0) + 1
                 self.soon_free_by.setdefault(zone, []).append(job.name)
         self.capacity_blocked_rank = 99
+        self._victims_sorted: list[_VictimEntry] | None = None
+        self._victims_acted_seen = 0
+        self._place_failed: dict[tuple, int] = {}
+        self._lendable_pools: list[tuple[str, PoolState]] | None = None
+        self._zones_cache: dict[tuple[str, int], dict[str | None, int | None]] = {}
         self.victim_failed_at: dict[tuple[int, int, bool, bool], int] = {}
 
     # --- helpers ----------------------------------------------------------------------------
@@ -405,19 +422,38 @@ class PlanningPass:
 
     def _zones_for(self, job: Job, dp: int) -> dict[str | None, int | None]:
         """Zones ``job`` may draw GPUs from at ``dp``: general, its own pools, lendable pools."""
+        key = (job.name, dp)
+        hit = self._zones_cache.get(key)
+        if hit is not None:
+            return dict(hit)
+        zones = self._compute_zones(job, dp)
+        self._zones_cache[key] = zones
+        return dict(zones)
+
+    def _compute_zones(self, job: Job, dp: int) -> dict[str | None, int | None]:
         zones: dict[str | None, int | None] = {None: None}
-        own = {r.name for r in self.res_of_job.get(job.name, ())}
-        for name, pool in self.pools.items():
-            if name in own:
-                zones[name] = None
+        for res in self.res_of_job.get(job.name, ()):
+            if res.name in self.pools:
+                zones[res.name] = None
+        if job.priority == "critical":
+            # A critical job outside its own reservation never borrows: it would be reclaimed
+            # from, which it must not be.
+            return zones
+        if self._lendable_pools is None:
+            self._lendable_pools = [(name, pool) for name, pool in sorted(self.pools.items()) if pool.free_gpus > 0]
+        needed_s: float | None = None
+        totals = self.view.zone_total
+        if any(totals.get(name, 0) <= 0 for name, _ in self._lendable_pools) and not self.kill:
+            # Exhausted pools stay exhausted for the rest of a graceful pass (GPUs given back
+            # come free only after the borrower has saved): stop looking at them.
+            self._lendable_pools = [(n, p) for n, p in self._lendable_pools if totals.get(n, 0) > 0]
+        for name, pool in self._lendable_pools:
+            if name in zones or totals.get(name, 0) <= 0:
                 continue
-            if pool.free_gpus <= 0:
-                continue
-            if job.priority == "critical":
-                # A critical job outside its own reservation never borrows: it would be
-                # reclaimed from, which it must not be.
-                continue
-            n, _, _ = lendable_gpus(pool, job, dp, self.now, self.config)
+            window_s = pool.next_need_s - self.now
+            if window_s > 0 and needed_s is None:
+                needed_s = 0.0 if self.kill else min_loan_window_s(job, dp, self.config)
+            n = pool.free_gpus if window_s > 0 and needed_s is not None and window_s >= needed_s else pool.spare_lendable
             if n > 0:
                 zones[name] = n
         return zones
@@ -461,10 +497,12 @@ class PlanningPass:
             self._admit(job)
 
     def _free_total(self, zones: dict[str | None, int | None]) -> int:
+        totals = self.view.zone_total
         total = 0
         for zone, limit in zones.items():
-            n = self.view.free_count(zone)
-            total += n if limit is None else min(n, limit)
+            n = totals.get(zone, 0)
+            if n:
+                total += n if limit is None else min(n, limit)
         return total
 
     def _admit(self, job: Job) -> None:
@@ -542,16 +580,21 @@ class PlanningPass:
         self.capacity_blocked_rank = min(self.capacity_blocked_rank, PRIORITY_RANK[job.priority])
         min_need = job.dp_min * rep
         lend_notes = []
-        for name, pool in sorted(self.pools.items()):
-            if name in {r.name for r in self.res_of_job.get(job.name, ())} or pool.free_gpus <= 0:
+        zones_min = self._zones_for(job, job.dp_min)
+        for name, pool in self._lendable_pools or ():
+            if len(lend_notes) >= 3:
+                break
+            if name in {r.name for r in self.res_of_job.get(job.name, ())} or job.priority == "critical":
+                continue
+            free_now = self.view.free_count(name)
+            if free_now <= 0 or (zones_min.get(name) or 0) >= free_now:
                 continue
             n, window_s, needed_s = lendable_gpus(pool, job, job.dp_min, self.now, self.config)
-            if n < pool.free_gpus:
-                lend_notes.append(
-                    f"{pool.free_gpus - n} GPUs of {_pool_label(name)} are free but the window before "
-                    f"they are needed ({window_s:.0f}s) is shorter than this job needs "
-                    f"({needed_s:.0f}s: start-up, load, {self.config.min_loan_steps} steps, save)"
-                )
+            lend_notes.append(
+                f"{free_now - min(n, free_now)} GPUs of {_pool_label(name)} are free but the window before "
+                f"they are needed ({window_s:.0f}s) is shorter than this job needs "
+                f"({needed_s:.0f}s: start-up, load, {self.config.min_loan_steps} steps, save)"
+            )
         text = (
             f"Pending: needs {need} GPUs ({_replicas(preferred)} of {rep}; at least {min_need}) and "
             f"{free_total} usable GPUs are free"
@@ -611,9 +654,23 @@ class PlanningPass:
         if extra == 0:
             new: tuple[Gpu, ...] = ()
         else:
-            cand = self.view.candidates(zones)
-            found = choose_gpus(cand, self.nodes, job.tp, job.pp, extra, anchor)
+            # A request that did not fit still does not fit (nor does a bigger one) until the
+            # free set changes: remember failures per zone set and shape.
+            memo_key = (tuple(sorted(zones.items(), key=lambda kv: (kv[0] is not None, kv[0] or ""))),
+                        job.tp, job.pp, self.view.generation)
+            if self._place_failed.get(memo_key, 1 << 30) <= extra:
+                return False
+            groups = sum(
+                self.view.free_groups(z, job.tp) if limit is None
+                else min(self.view.free_groups(z, job.tp), limit // job.tp)
+                for z, limit in zones.items()
+            )
+            if groups < extra * job.pp:
+                self._place_failed[memo_key] = min(extra, self._place_failed.get(memo_key, 1 << 30))
+                return False
+            found = self.view.place(zones, job.tp, job.pp, extra, anchor)
             if found is None:
+                self._place_failed[memo_key] = min(extra, self._place_failed.get(memo_key, 1 << 30))
                 return False
             new = found
         after = list(held_gpus) + list(new)
@@ -692,49 +749,44 @@ class PlanningPass:
             return False
         my_rank = PRIORITY_RANK[job.priority]
         zone_set = set(zones)
-        candidates: list[Job] = []
         floors: dict[str, int] = {}
-        for other in self.jobs.values():
-            if other.name == job.name or other.name in self.busy or other.name in self.acted:
-                continue
-            if not other.holdings or other.phase not in ("running", "checkpointing"):
-                continue
-            if not any(self.view.zone(g) in zone_set for g in other.gpus):
-                continue
-            o_rank = PRIORITY_RANK[other.priority]
-            if o_rank == 0:
-                continue
-            if o_rank > my_rank:
-                if not eligible_victim(other, self.now, forced):
+
+        def candidates() -> Iterator[Job]:
+            # _victim_pool() is in victim order (lower class, elastic, cheapest first), so the
+            # search stops at the first set that fits.
+            for entry in self._victim_pool():
+                other = entry.job
+                if other.name == job.name or other.name in self.acted or zone_set.isdisjoint(entry.zones):
                     continue
-            elif o_rank == my_rank:
-                # Same class: only replicas grown beyond the preferred size (cheap to give back),
-                # or, for a long waiter, a job that has already had its min_run_s (rule 8).
-                if other.current_dp > other.dp and eligible_victim(other, self.now, forced):
-                    floors[other.name] = other.dp
-                elif aged and not protected_by_min_run(other, self.now) and not is_aged(other, self.now, self.config):
-                    pass
+                if entry.rank > my_rank:
+                    if not forced and entry.protected:
+                        continue
+                elif entry.rank == my_rank:
+                    # Same class: only replicas grown beyond the preferred size (cheap to give
+                    # back), or, for a long waiter, a job that has had its min_run_s (rule 8).
+                    if entry.excess and (forced or not entry.protected):
+                        floors[other.name] = other.dp
+                    elif not (aged and not entry.protected and not entry.aged):
+                        continue
                 else:
                     continue
-            else:
-                continue
-            candidates.append(other)
-        if not candidates:
-            self.victim_failed_at[key] = min(need, self.victim_failed_at.get(key, 1 << 30))
-            return False
-        candidates.sort(key=lambda j: victim_sort_key(j, self.config))
-        base = self.view.candidates(zones)
+                yield other
+
+        base: dict[str, list[int]] = {}
+        free_now = self._free_total(zones)
 
         def fits(freed: list[Gpu]) -> bool:
-            if self._free_total(zones) + len(freed) < need:
+            if free_now + len(freed) < need:
                 return False
-            merged = {n: list(v) for n, v in base.items()}
+            if not base:
+                base.update(self.view.candidates(zones))
+            merged = dict(base)
             for g in freed:
                 if self.view.zone(g) in zone_set and self.nodes[g.node].health in PLACEABLE_HEALTH:
-                    merged.setdefault(g.node, []).append(g.index)
+                    merged[g.node] = [*merged.get(g.node, ()), g.index]
             return choose_gpus(merged, self.nodes, job.tp, job.pp, dp) is not None
 
-        options = choose_victims(candidates, fits, self.config, floor_dp=lambda j: floors.get(j.name))
+        options = choose_victims(candidates(), fits, self.config, floor_dp=lambda j: floors.get(j.name))
         if options is None:
             self.victim_failed_at[key] = min(need, self.victim_failed_at.get(key, 1 << 30))
             return False
@@ -752,6 +804,36 @@ class PlanningPass:
                    f"then it starts on {_replicas(dp)}.",
                    gpus_needed=need, victims=names)
         return True
+
+    def _victim_pool(self) -> list[_VictimEntry]:
+        """Running non-critical jobs that could give GPUs back, in victim order.
+
+        Built once per pass with what the filters need precomputed; entries already acted on
+        are dropped from time to time so later searches stay short.
+        """
+        if self._victims_sorted is None:
+            pool = [
+                j for j in self.jobs.values()
+                if j.holdings and j.phase in ("running", "checkpointing") and j.name not in self.busy
+                and PRIORITY_RANK[j.priority] > 0
+            ]
+            pool.sort(key=lambda j: victim_sort_key(j, self.config))
+            self._victims_sorted = [
+                _VictimEntry(
+                    job=j,
+                    zones=frozenset(self.view.zone_of_node.get(h.gpu.node) for h in j.holdings),
+                    rank=PRIORITY_RANK[j.priority],
+                    protected=protected_by_min_run(j, self.now),
+                    excess=j.current_dp > j.dp,
+                    aged=is_aged(j, self.now, self.config),
+                )
+                for j in pool
+            ]
+            self._victims_acted_seen = len(self.acted)
+        elif len(self.acted) - self._victims_acted_seen >= max(16, len(self._victims_sorted) // 8):
+            self._victims_sorted = [e for e in self._victims_sorted if e.job.name not in self.acted]
+            self._victims_acted_seen = len(self.acted)
+        return self._victims_sorted
 
     def _emit_victim(self, opt: VictimOption, requester: Job, forced: bool, aged: bool) -> None:
         job = opt.job

@@ -78,6 +78,14 @@ class ClusterView:
                 self.held_by_node.setdefault(h.gpu.node, set()).add(h.gpu.index)
         self.free: dict[str | None, dict[str, list[int]]] = {}
         self.zone_total: dict[str | None, int] = {}
+        self.switch_of: dict[str, tuple[str, str]] = {n.name: (n.rack, n.switch) for n in snapshot.nodes}
+        self.nodes_of_switch: dict[tuple[str, str], list[str]] = {}
+        for n in sorted(snapshot.nodes, key=lambda n: n.name):
+            self.nodes_of_switch.setdefault((n.rack, n.switch), []).append(n.name)
+        self._sw_groups: dict[tuple[str | None, int], dict[tuple[str, str], int]] = {}
+        #: Bumped on every change, so callers can cache answers about the free set.
+        self.generation = 0
+        self._groups: dict[tuple[str | None, int], int] = {}
         for name in sorted(self.nodes):
             node = self.nodes[name]
             if node.health not in PLACEABLE_HEALTH:
@@ -89,6 +97,101 @@ class ClusterView:
                 self.free.setdefault(zone, {})[name] = idx
                 self.zone_total[zone] = self.zone_total.get(zone, 0) + len(idx)
 
+    def _node_free(self, node: str) -> int:
+        return len(self.free.get(self.zone_of_node.get(node), {}).get(node, ()))
+
+    def _update_groups(self, before: dict[str, int]) -> None:
+        if not self._groups and not self._sw_groups:
+            return
+        for node, old in before.items():
+            zone = self.zone_of_node.get(node)
+            new = self._node_free(node)
+            for key in self._groups:
+                if key[0] == zone:
+                    tp = key[1]
+                    self._groups[key] += new // tp - old // tp
+            for key, by_switch in self._sw_groups.items():
+                if key[0] == zone:
+                    tp = key[1]
+                    delta = new // tp - old // tp
+                    if delta:
+                        sw = self.switch_of[node]
+                        by_switch[sw] = by_switch.get(sw, 0) + delta
+
+    def switch_groups(self, zone: str | None, tp: int) -> dict[tuple[str, str], int]:
+        """Free ``tp``-GPU groups per (rack, switch) in a zone (kept up to date incrementally)."""
+        key = (zone, tp)
+        if key not in self._sw_groups:
+            by_switch: dict[tuple[str, str], int] = {}
+            for node, idx in self.free.get(zone, {}).items():
+                g = len(idx) // tp
+                if g:
+                    sw = self.switch_of[node]
+                    by_switch[sw] = by_switch.get(sw, 0) + g
+            self._sw_groups[key] = by_switch
+        return self._sw_groups[key]
+
+    def place(
+        self,
+        zones: Mapping[str | None, int | None],
+        tp: int,
+        pp: int,
+        replicas: int,
+        anchor: Sequence[str] = (),
+    ) -> tuple[Gpu, ...] | None:
+        """``choose_gpus`` over the zones' free GPUs, looking only at the switches that can matter.
+
+        Switch-level group counts are kept incrementally, so a placement reads the nodes of
+        the few switches it could use (plus those of anchor switches) instead of every free
+        node in the cluster. The choice is the same as ``choose_gpus`` over all of them.
+        """
+        need = replicas * pp
+        caps: dict[tuple[str, str], int] = {}
+        limited: dict[str, list[int]] = {}
+        for zone, limit in zones.items():
+            if limit is None:
+                for sw, g in self.switch_groups(zone, tp).items():
+                    if g > 0:
+                        caps[sw] = caps.get(sw, 0) + g
+            else:
+                for node, idx in self.candidates({zone: limit}).items():
+                    limited.setdefault(node, []).extend(idx)
+        for node, idx in limited.items():
+            g = len(idx) // tp
+            if g:
+                sw = self.switch_of[node]
+                caps[sw] = caps.get(sw, 0) + g
+        if sum(caps.values()) < need:
+            return None
+        anchor_sw = {self.switch_of[n] for n in anchor if n in self.switch_of}
+        fitting = [sw for sw, c in caps.items() if c >= need]
+        if fitting:
+            best = min(fitting, key=lambda sw: (sw not in anchor_sw, caps[sw], sw))
+            wanted = {best} | (anchor_sw & set(fitting))
+        else:
+            wanted = set(caps)
+        free: dict[str, list[int]] = {}
+        for zone, limit in zones.items():
+            if limit is not None:
+                continue
+            zone_free = self.free.get(zone, {})
+            for sw in wanted:
+                for node in self.nodes_of_switch.get(sw, ()):
+                    idx = zone_free.get(node)
+                    if idx:
+                        free.setdefault(node, []).extend(idx)
+        for node, idx in limited.items():
+            if self.switch_of[node] in wanted:
+                free.setdefault(node, []).extend(idx)
+        return choose_gpus(free, self.nodes, tp, pp, replicas, anchor)
+
+    def free_groups(self, zone: str | None, tp: int) -> int:
+        """How many ``tp``-GPU groups (each on one node) the zone's free GPUs can form now."""
+        key = (zone, tp)
+        if key not in self._groups:
+            self._groups[key] = sum(len(idx) // tp for idx in self.free.get(zone, {}).values())
+        return self._groups[key]
+
     def zone(self, gpu: Gpu) -> str | None:
         """The zone (reservation pool name or None) a GPU belongs to."""
         return self.zone_of_node.get(gpu.node)
@@ -99,6 +202,9 @@ class ClusterView:
 
     def take(self, job: str, gpus: Iterable[Gpu]) -> None:
         """Mark ``gpus`` as held by ``job``."""
+        self.generation += 1
+        gpus = list(gpus)
+        before = {n: self._node_free(n) for n in {g.node for g in gpus}}
         for g in gpus:
             self.owner[g] = job
             zone_free = self.free.get(self.zone_of_node[g.node])
@@ -111,9 +217,13 @@ class ClusterView:
                 self.zone_total[zone] = self.zone_total.get(zone, 0) - 1
             if not lst:
                 del zone_free[g.node]
+        self._update_groups(before)
 
     def release(self, gpus: Iterable[Gpu]) -> None:
         """Mark ``gpus`` as free again (only those on placeable nodes become placeable)."""
+        self.generation += 1
+        gpus = list(gpus)
+        before = {n: self._node_free(n) for n in {g.node for g in gpus}}
         for g in gpus:
             self.owner.pop(g, None)
             node = self.nodes.get(g.node)
@@ -125,6 +235,7 @@ class ClusterView:
                 lst.append(g.index)
                 lst.sort()
                 self.zone_total[zone] = self.zone_total.get(zone, 0) + 1
+        self._update_groups(before)
 
     def candidates(self, zones: Mapping[str | None, int | None]) -> dict[str, list[int]]:
         """Free GPU indices per node drawn from ``zones`` (zone -> at most this many, None = all)."""

@@ -9,7 +9,7 @@ being stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from jobs.planner.config import PlannerConfig
@@ -91,7 +91,7 @@ def eligible_victim(job: Job, now_s: float, forced: bool) -> bool:
 
 
 def choose_victims(
-    candidates: Sequence[Job],
+    candidates: Iterable[Job],
     fits: Callable[[list[Gpu]], bool],
     config: PlannerConfig,
     floor_dp: Callable[[Job], int | None] = lambda job: None,
@@ -100,7 +100,7 @@ def choose_victims(
     """The cheapest set of victim options after which ``fits(freed)`` holds, or None.
 
     ``candidates`` must already be filtered for class and ``min_run_s`` and sorted with
-    ``victim_sort_key``. For each candidate in turn the smallest option that completes the
+    ``victim_sort_key``; it may be a lazy iterator (it is consumed only as far as needed). For each candidate in turn the smallest option that completes the
     need is taken; otherwise its largest shrink (or its preemption if it cannot shrink).
     """
     chosen: list[VictimOption] = []

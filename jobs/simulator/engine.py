@@ -296,6 +296,8 @@ class Simulation:
         if not job.gpus:
             return
         probe = _probe_job(spec)
+        if len(set(job.gpus)) != len(job.gpus):
+            self._violation(f"{spec.name}: holds the same GPU twice in one layout", key=f"dup:{spec.name}")
         for problem in layout_problems(probe, job.gpus):
             self._violation(f"{spec.name}: {problem}", key=f"layout:{spec.name}:{problem}")
         d = len(job.gpus) // job.rep

@@ -96,3 +96,23 @@ def test_results_carry_the_format_fields_and_a_timeline() -> None:
     assert {"t", "kind", "job", "dp_before", "dp_after", "accum_before", "accum_after", "global_batch",
             "reason"} <= set(event)
     json.dumps(result, allow_nan=False)
+
+
+def test_the_invariant_checker_catches_a_bad_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jobs.planner import Action, Gpu, Plan, Reason
+    from jobs.simulator import engine
+
+    def bad_plan(snapshot, now_s, config):  # noqa: ANN001, ANN202
+        actions = []
+        for job in snapshot.jobs:
+            if job.phase == "pending" and job.name == "omni-7b":
+                split = tuple(Gpu(f"r{r}s0n0", i) for r in range(2) for i in range(4)) * 4
+                actions.append(Action("place", job.name, Reason("test", "split TP group"), gpus_after=split,
+                                      dp_after=4))
+        return Plan(tuple(actions))
+
+    monkeypatch.setattr(engine, "omni_plan", bad_plan)
+    result = simulate(load_scenario(SCENARIO_DIR / "spares-node-failure.json"), "omni")
+    text = "\n".join(result["invariant_violations"])
+    assert "TP group" in text
+    assert "same GPU twice" in text
