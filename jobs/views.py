@@ -240,7 +240,7 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
         messages.success(request, f"Cancelled {job.name}.")
     except IllegalTransition as exc:
         messages.error(request, str(exc))
-    return redirect("job-detail", pk=pk)
+    return redirect("job-page", pk=pk)
 
 
 # -- operators: the console ---------------------------------------------------------------------

@@ -453,7 +453,7 @@
       const height = Math.max(140, 70 + 38 * gantt.length);
       $("#chart-gantt").style.height = height + "px";
       Plotly.react("chart-gantt", traces, baseLayout({
-        hovermode: "closest", margin: {l: 190, r: 16, t: 40, b: 30},
+        hovermode: "closest", margin: {l: 190, r: 16, t: 40, b: 44},
         legend: {orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom", font: {size: 11}},
         xaxis: Object.assign(baseLayout().xaxis, {range: [data.since, data.until]}),
         yaxis: {type: "category", automargin: true, gridcolor: cssVar("--line"), autorange: "reversed"},

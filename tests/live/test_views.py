@@ -1,0 +1,297 @@
+"""The live pages without a browser: roles on every page, POST-only actions, pinned query counts,
+streamed exports, the chain status and the sentences the logs are written in."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from datetime import timedelta
+
+import pytest
+from django.core.cache import cache
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from jobs import actions
+from jobs.live_events import compact_nodes, describe_event
+from jobs.models import ElasticEvent, EventKind, Node, PlannerControl
+
+pytestmark = pytest.mark.django_db
+
+
+def client_for(user) -> Client:
+    client = Client(enforce_csrf_checks=False)
+    if user is not None:
+        client.force_login(user)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def fresh_chain_cache():
+    cache.clear()
+
+
+@pytest.fixture
+def cluster(researcher, other_researcher, operator, make_job, make_nodes):
+    """Four nodes, a placed job per researcher, a waiting one, and a reservation with a loan."""
+    nodes = make_nodes(racks=1, switches=2, nodes=2, gpus=4)
+    mine = make_job(name="mine", dp=2)
+    theirs = make_job(owner=other_researcher, name="theirs", dp=2)
+    waiting = make_job(name="waiting", dp=4, dp_min=4)
+    critical = make_job(owner=operator, name="crit", priority="critical", dp=2, dp_min=2, dp_max=2)
+    reservation = actions.create_reservation(
+        operator, name="crit-window", job=critical, gpus=2, start_at=timezone.now() - timedelta(minutes=5),
+        period_s=3600, active_s=1800,
+    )
+    actions.place_job(mine, [(nodes[0], 0), (nodes[0], 1)], actor="planner",
+                      reason={"rule": "place", "text": "Placed mine.", "inputs": {}})
+    actions.place_job(theirs, [(nodes[1], 0), (nodes[1], 1)], actor="planner", borrowed_from=reservation,
+                      loan_until=timezone.now() + timedelta(minutes=20),
+                      reason={"rule": "lend", "text": "Lent crit-window's GPUs to theirs.", "inputs": {}})
+    return {"nodes": nodes, "mine": mine, "theirs": theirs, "waiting": waiting, "reservation": reservation}
+
+
+PAGES = ["dashboard", "console", "audit"]
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_anonymous_visitors_are_sent_to_login(name):
+    response = Client().get(reverse(name))
+    assert response.status_code == 302 and response["Location"].startswith("/login/")
+
+
+def test_a_user_without_a_role_gets_the_no_role_page(outsider):
+    for name in PAGES:
+        assert client_for(outsider).get(reverse(name)).status_code == 403
+
+
+def test_researcher_sees_own_job_page_but_not_anothers_nor_the_audit(researcher, cluster):
+    client = client_for(researcher)
+    assert client.get(reverse("job-page", args=[cluster["mine"].pk])).status_code == 200
+    assert client.get(reverse("job-page", args=[cluster["theirs"].pk])).status_code == 403
+    assert client.get(reverse("audit")).status_code == 403
+    assert client.get(reverse("audit-export", args=["csv"])).status_code == 403
+    assert client.get(reverse("console")).status_code == 200  # the cluster is visible, read-only
+
+
+def test_dashboard_lists_only_my_jobs_for_a_researcher(researcher, cluster):
+    body = client_for(researcher).get(reverse("dashboard")).content.decode()
+    assert "mine" in body and "waiting" in body and "theirs" not in body
+
+
+def test_dashboard_filters_by_state_and_class(operator, cluster):
+    client = client_for(operator)
+    body = client.get(reverse("dashboard"), {"state": "waiting"}).content.decode()
+    assert f'data-job-id="{cluster["waiting"].pk}"' in body
+    assert f'data-job-id="{cluster["mine"].pk}"' not in body
+    body = client.get(reverse("dashboard"), {"priority": "critical"}).content.decode()
+    assert "crit" in body and f'data-job-id="{cluster["mine"].pk}"' not in body
+
+
+def test_dashboard_shows_eta_and_the_last_event_in_words(researcher, cluster):
+    body = client_for(researcher).get(reverse("dashboard")).content.decode()
+    assert "ETA 16 min" in body  # 1000 steps at the spec's 1.0 s/step
+    assert "Placed mine; on r0s0n0." in body
+
+
+def test_dashboard_query_count_does_not_grow_with_jobs(operator, cluster, make_job, django_assert_max_num_queries):
+    for i in range(30):
+        make_job(name=f"extra-{i}")
+    client = client_for(operator)
+    with django_assert_max_num_queries(14):
+        assert client.get(reverse("dashboard")).status_code == 200
+
+
+def test_console_query_count_does_not_grow_with_nodes(operator, cluster, make_nodes, django_assert_max_num_queries):
+    Node.objects.bulk_create(Node(name=f"x{i}", rack="x", switch="xs", gpu_count=8) for i in range(40))
+    client = client_for(operator)
+    with django_assert_max_num_queries(18):
+        response = client.get(reverse("console"))
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert 'id="node-x39"' in body
+    assert "borrowed" in body  # theirs holds loaned GPUs
+
+
+def test_audit_query_count_is_flat_over_a_page(auditor, cluster, make_job, django_assert_max_num_queries):
+    for i in range(60):
+        make_job(name=f"sweep-{i}")
+    client = client_for(auditor)
+    with django_assert_max_num_queries(14):
+        assert client.get(reverse("audit")).status_code == 200
+
+
+def test_job_page_explains_why_it_waits_from_the_planners_last_hold(researcher, cluster):
+    from django.db import transaction
+
+    from jobs.audit import record_event
+
+    with transaction.atomic():
+        record_event(EventKind.HOLD, job=cluster["waiting"], actor="planner",
+                     reason={"rule": "no_capacity", "text": "Needs 4 GPUs; 2 are free until crit-window ends.",
+                             "inputs": {}})
+    body = client_for(researcher).get(reverse("job-page", args=[cluster["waiting"].pk])).content.decode()
+    assert "Why it is waiting" in body
+    assert "Needs 4 GPUs; 2 are free until crit-window ends." in body
+
+
+def test_node_actions_are_post_only_and_operator_only(operator, auditor, researcher, cluster):
+    node = cluster["nodes"][2]
+    url = reverse("console-node-action", args=[node.pk, "cordon"])
+    assert client_for(operator).get(url).status_code == 405
+    assert client_for(auditor).post(url).status_code == 403
+    assert client_for(researcher).post(url).status_code == 403
+    node.refresh_from_db()
+    assert node.state == "healthy"
+    response = client_for(operator).post(url)
+    assert response.status_code == 302
+    node.refresh_from_db()
+    assert node.state == "cordoned"
+    assert ElasticEvent.objects.filter(kind=EventKind.CORDON, actor="olive").count() == 1
+
+
+def test_an_illegal_node_move_is_explained_not_a_500(operator, cluster):
+    node = cluster["nodes"][2]
+    response = client_for(operator).post(reverse("console-node-action", args=[node.pk, "uncordon"]), follow=True)
+    assert response.status_code == 200
+    assert "cannot go from" in response.content.decode()
+
+
+def test_csrf_is_enforced_on_actions(operator, cluster):
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(operator)
+    response = client.post(reverse("console-node-action", args=[cluster["nodes"][2].pk, "drain"]))
+    assert response.status_code == 403
+
+
+def test_planner_controls_apply_only_what_changed_and_are_audited(operator, auditor, cluster):
+    control = PlannerControl.load()
+    data = {"paused": "on", "safety_factor": "2.0", "min_run_s": control.min_run_s,
+            "reclaim_grace_s": control.reclaim_grace_s}
+    assert client_for(auditor).post(reverse("console-planner"), data).status_code == 403
+    response = client_for(operator).post(reverse("console-planner"), data)
+    assert response.status_code == 302
+    control.refresh_from_db()
+    assert control.paused and control.safety_factor == 2.0
+    event = ElasticEvent.objects.filter(kind=EventKind.OVERRIDE).last()
+    assert set(event.reason["inputs"]["after"]) == {"paused", "safety_factor"}
+
+
+def test_reservation_form_shows_the_actions_validation(operator, cluster):
+    client = client_for(operator)
+    critical = cluster["reservation"].job
+    response = client.post(reverse("console-reservation-new"), {
+        "name": "odd", "job": critical.pk, "gpus": 3, "spares": 0, "start_at": "2026-12-01T10:00",
+        "end_at": "2026-12-01T09:00",
+    })
+    assert response.status_code == 400
+    assert "end_at must be after start_at" in response.content.decode()
+    response = client.post(reverse("console-reservation-new"), {
+        "name": "half", "job": critical.pk, "gpus": 2, "spares": 0, "start_at": "2026-12-01T10:00", "period_s": 3600,
+    })
+    assert response.status_code == 400 and "needs both" in response.content.decode()
+    response = client.post(reverse("console-reservation-new"), {
+        "name": "ok", "job": critical.pk, "gpus": 2, "spares": 1, "start_at": "2026-12-01T10:00",
+        "period_s": 3600, "active_s": 600,
+    })
+    assert response.status_code == 302
+    edit = reverse("console-reservation-edit", args=[cluster["reservation"].pk])
+    response = client.post(edit, {"gpus": 4, "spares": 0, "start_at": "2026-12-01T10:00",
+                                  "period_s": 3600, "active_s": 1800})
+    assert response.status_code == 302
+    cluster["reservation"].refresh_from_db()
+    assert cluster["reservation"].gpus == 4 and cluster["reservation"].name == "crit-window"
+
+
+def test_researcher_cancels_own_job_not_anothers(researcher, cluster):
+    client = client_for(researcher)
+    assert client.post(reverse("job-page-cancel", args=[cluster["theirs"].pk])).status_code == 403
+    assert client.post(reverse("job-page-cancel", args=[cluster["mine"].pk])).status_code == 302
+    cluster["mine"].refresh_from_db()
+    assert cluster["mine"].state == "cancelled"
+
+
+def _streamed(response) -> str:
+    assert response.streaming
+    return b"".join(response.streaming_content).decode()
+
+
+def test_csv_and_json_exports_stream_the_filtered_range(auditor, cluster, make_job, monkeypatch):
+    from jobs import views
+
+    monkeypatch.setattr(views, "EXPORT_CHUNK_ROWS", 7)  # many keyset pages
+    for i in range(25):
+        make_job(name=f"sweep-{i}")
+    client = client_for(auditor)
+    expected = ElasticEvent.objects.filter(kind="submit").count()
+    rows = list(csv.reader(io.StringIO(_streamed(client.get(reverse("audit-export", args=["csv"]), {"kind": "submit"})))))
+    assert len(rows) - 1 == expected
+    assert [int(r[0]) for r in rows[1:]] == sorted(int(r[0]) for r in rows[1:])
+    records = json.loads(_streamed(client.get(reverse("audit-export", args=["json"]), {"kind": "submit"})))
+    assert len(records) == expected
+    assert records[0]["reason"]["rule"] == "submit" and len(records[0]["hash"]) == 64
+    by_job = json.loads(_streamed(client.get(reverse("audit-export", args=["json"]), {"job": "mine"})))
+    assert {r["job_name"] for r in by_job} == {"mine"}
+
+
+def test_audit_filters_by_node(auditor, cluster):
+    node = cluster["nodes"][0].name
+    body = client_for(auditor).get(reverse("audit"), {"node": node}).content.decode()
+    assert "Placed mine" in body and "Lent crit-window" not in body
+
+
+def test_audit_pages_by_keyset(auditor, cluster, make_job):
+    for i in range(120):
+        make_job(name=f"sweep-{i}")
+    client = client_for(auditor)
+    first = client.get(reverse("audit"))
+    assert first.context["next_before"] is not None
+    second = client.get(reverse("audit"), {"before": first.context["next_before"]})
+    ids_first = [row["event"].pk for row in first.context["rows"]]
+    ids_second = [row["event"].pk for row in second.context["rows"]]
+    assert len(ids_first) == 100 and max(ids_second) < min(ids_first)
+
+
+def test_chain_status_reports_verified_rows(auditor, cluster):
+    response = client_for(auditor).get(reverse("audit"))
+    chain = response.context["chain"]
+    assert chain["bad"] is None and chain["complete"] and chain["checked"] == ElasticEvent.objects.count()
+    assert "Hash chain verified" in response.content.decode()
+
+
+@pytest.mark.postgres
+def test_chain_status_names_the_first_broken_row(auditor, cluster):
+    from django.db import connection
+
+    target = ElasticEvent.objects.order_by("id")[2]
+    with connection.cursor() as cursor:
+        # Tamper as a superuser would: with triggers off for this session only.
+        cursor.execute("SET LOCAL session_replication_role = replica")
+        cursor.execute("UPDATE jobs_elasticevent SET actor = 'mallory' WHERE id = %s", [target.pk])
+        cursor.execute("SET LOCAL session_replication_role = origin")
+    body = client_for(auditor).get(reverse("audit")).content.decode()
+    assert f"Hash chain broken at row {target.pk}" in body
+
+
+def test_plotly_is_served_by_the_app_with_long_caching(researcher):
+    import plotly
+
+    response = client_for(researcher).get(reverse("plotly-js", args=[plotly.__version__]))
+    assert response.status_code == 200
+    assert response["Cache-Control"] == "public, max-age=31536000, immutable"
+    assert b"plotly" in b"".join(response.streaming_content)[:2000].lower()
+    assert client_for(researcher).get(reverse("plotly-js", args=["0.0.0"])).status_code == 404
+
+
+def test_sentences_read_like_the_issue_asks():
+    event = ElasticEvent(
+        at=timezone.now(), kind=EventKind.PREEMPT, job_name="sft",
+        reason={"text": "Preempted to return GPUs reserved for omni-7b, whose window starts 14:05."},
+        outcome={"checkpoint_step": 4200, "save_s": 21.3},
+    )
+    text = describe_event(event, with_time=False)
+    assert text == ("Preempted to return GPUs reserved for omni-7b, whose window starts 14:05; "
+                    "checkpoint at step 4200 saved in 21 s.")
+    assert compact_nodes(["r1s0n2", "r1s0n3", "r1s1n0"]) == "r1s0n2-n3, r1s1n0"
