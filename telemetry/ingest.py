@@ -457,34 +457,77 @@ def _bulk_create(model: type, columns: Sequence[tuple[str, str]], rows: GpuRows)
     model.objects.bulk_create(objects, batch_size=500, ignore_conflicts=True)
 
 
-# One round trip that creates the source on its first batch and locks its row for this
-# transaction (ON CONFLICT DO UPDATE takes the row lock), so batches of one source serialise.
+# Creates the source on its first batch and locks its row for this transaction (ON CONFLICT DO
+# UPDATE takes the row lock), so batches of one source serialise.
 _CLAIM_SOURCE = (
     'INSERT INTO telemetry_telemetrysource (node_id, name, kind, high_seq, "window", batches_total, '
     "samples_total, duplicates_total, created_at) VALUES (%s, %s, %s, -1, %s, 0, 0, 0, %s) "
     "ON CONFLICT (node_id, name, kind) DO UPDATE SET name = excluded.name "
     'RETURNING id, high_seq, "window"'
 )
+_UPDATE_SOURCE = (
+    'UPDATE telemetry_telemetrysource SET high_seq = %s, "window" = %s, batches_total = batches_total + 1, '
+    "samples_total = samples_total + %s, last_batch_at = %s, "
+    "last_sample_at = GREATEST(COALESCE(last_sample_at, %s), %s), last_lag_s = %s WHERE id = %s"
+)
+# (node id, source, kind) -> (source id, high_seq, window) as this process last committed them.
+# Only a guess that lets the source update ride in the claim's round trip; the UPDATE checks it.
+_committed_sources: dict[tuple[int, str, str], tuple[int, int, int]] = {}
 
 
-def _claim_source(node: Node, name: str, kind: str, now: datetime) -> tuple[int, int, bytes]:
-    """Create or lock the source row; returns (id, high_seq, window bytes).
+@dataclass
+class _Advance:
+    source_id: int
+    is_new: bool
+    high_seq: int
+    window: int
+    recorded: bool  # the source row already holds the new state and totals
 
-    On PostgreSQL this and ``SET LOCAL synchronous_commit`` go out in one round trip (psycopg's
-    pipeline mode): per-batch round trips are most of what separates ingestion from raw COPY.
+
+def _window_bytes(window: int) -> bytes:
+    return window.to_bytes(WINDOW_BATCHES // 8, "big")
+
+
+def _advance_source(node: Node, name: str, kind: str, seq: int, now: datetime, update: list) -> _Advance:
+    """Claim the source row and decide whether ``seq`` is new.
+
+    On PostgreSQL ``SET LOCAL synchronous_commit``, the claim and (when this process knows the
+    source's state) the conditional UPDATE recording the batch go out in one round trip through
+    psycopg's pipeline mode: per-batch round trips are most of what separates ingestion from
+    raw COPY. ``update`` holds the UPDATE's values after high_seq and window.
     """
-    params = [node.pk, name, str(kind), b"", connection.ops.adapt_datetimefield_value(now)]
+    claim = [node.pk, name, str(kind), b"", connection.ops.adapt_datetimefield_value(now)]
     if connection.vendor != "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute(_CLAIM_SOURCE, params)
-            return cursor.fetchone()
+            cursor.execute(_CLAIM_SOURCE, claim)
+            source_id, high_seq, window_bytes = cursor.fetchone()
+        is_new, high_seq, window = accept_sequence(high_seq, int.from_bytes(bytes(window_bytes), "big"), seq)
+        return _Advance(source_id, is_new, high_seq, window, recorded=False)
+    guess = _committed_sources.get((node.pk, name, str(kind)))
+    planned: tuple[int, int] | None = None
+    if guess is not None:
+        try:
+            new, high, window = accept_sequence(guess[1], guess[2], seq)
+            planned = (high, window) if new else None
+        except BatchRejected:
+            planned = None
     connection.ensure_connection()
     raw = connection.connection
-    with raw.pipeline(), raw.cursor() as cursor:
+    with raw.pipeline(), raw.cursor() as claim_cursor, raw.cursor() as update_cursor:
         if settings.OMNI_TELEMETRY_ASYNC_COMMIT:
-            cursor.execute("SET LOCAL synchronous_commit TO off")
-        cursor.execute(_CLAIM_SOURCE, params)
-        return cursor.fetchone()
+            claim_cursor.execute("SET LOCAL synchronous_commit TO off")
+        claim_cursor.execute(_CLAIM_SOURCE, claim)
+        if planned is not None and guess is not None:
+            update_cursor.execute(
+                _UPDATE_SOURCE + ' AND high_seq = %s AND "window" = %s',
+                [planned[0], _window_bytes(planned[1]), *update, guess[0], guess[1], _window_bytes(guess[2])],
+            )
+        source_id, high_seq, window_bytes = claim_cursor.fetchone()
+        recorded = planned is not None and update_cursor.rowcount == 1
+    if recorded and planned is not None:
+        return _Advance(source_id, True, planned[0], planned[1], recorded=True)
+    is_new, high_seq, window = accept_sequence(high_seq, int.from_bytes(bytes(window_bytes), "big"), seq)
+    return _Advance(source_id, is_new, high_seq, window, recorded=False)
 
 
 def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now: datetime,
@@ -495,31 +538,49 @@ def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now
     )
     first_s, last_s = float(rows.epoch_s.min()), float(rows.epoch_s.max())
     newest = datetime.fromtimestamp(last_s, tz=UTC)
+    lag_s = max(0.0, now.timestamp() - last_s)
+    postgres = connection.vendor == "postgresql"
     with transaction.atomic():
-        postgres = connection.vendor == "postgresql"
-        source_id, high_seq, window_bytes = _claim_source(node, source_name, kind, now)
-        is_new, high_seq, window = accept_sequence(high_seq, int.from_bytes(bytes(window_bytes), "big"), seq)
-        if not is_new:
-            TelemetrySource.objects.filter(pk=source_id).update(duplicates_total=F("duplicates_total") + 1)
+        update = [len(rows), now, newest, newest, lag_s]
+        advance = _advance_source(node, source_name, kind, seq, now, update)
+        if not advance.is_new:
+            TelemetrySource.objects.filter(pk=advance.source_id).update(duplicates_total=F("duplicates_total") + 1)
             metrics.count("omni_telemetry_batches_total", f"{kind},duplicate")
             return IngestResult(kind, source_name, seq, 0, True, None)
         if postgres:
+            if not advance.recorded:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        _UPDATE_SOURCE,
+                        [advance.high_seq, _window_bytes(advance.window), *update, advance.source_id],
+                    )
             ensure_partitions(table, datetime.fromtimestamp(first_s, tz=UTC), newest)
             _copy(table, columns, rows, on_conflict_skip=on_conflict_skip)
         else:
             _bulk_create(model, columns, rows)
-        lag_s = max(0.0, now.timestamp() - last_s)
-        TelemetrySource.objects.filter(pk=source_id).update(
-            high_seq=high_seq,
-            window=window.to_bytes(WINDOW_BATCHES // 8, "big"),
-            batches_total=F("batches_total") + 1,
-            samples_total=F("samples_total") + len(rows),
-            last_batch_at=now,
-            last_sample_at=Greatest(Coalesce(F("last_sample_at"), Value(newest)), Value(newest)),
-            last_lag_s=lag_s,
-        )
-        transaction.on_commit(lambda: _after_commit(kind, node, rows, lag_s))
+            TelemetrySource.objects.filter(pk=advance.source_id).update(
+                high_seq=advance.high_seq,
+                window=_window_bytes(advance.window),
+                batches_total=F("batches_total") + 1,
+                samples_total=F("samples_total") + len(rows),
+                last_batch_at=now,
+                last_sample_at=Greatest(Coalesce(F("last_sample_at"), Value(newest)), Value(newest)),
+                last_lag_s=lag_s,
+            )
+        state = (advance.source_id, advance.high_seq, advance.window)
+        key = (node.pk, source_name, str(kind))
+
+        def committed() -> None:
+            _committed_sources[key] = state
+            _after_commit(kind, node, rows, lag_s)
+
+        transaction.on_commit(committed)
     return IngestResult(kind, source_name, seq, len(rows), False, newest)
+
+
+def forget_sources() -> None:
+    """Drop the committed-state guesses (tests)."""
+    _committed_sources.clear()
 
 
 def _ingest(kind: str, node: Node, batch: Any, validate: Callable[..., GpuRows]) -> IngestResult:

@@ -15,6 +15,7 @@ def _fresh_process_state():
     partitions.forget_known_partitions()
     ingest.throttle.__init__()
     ingest.forget_allocations()
+    ingest.forget_sources()
     yield
 
 

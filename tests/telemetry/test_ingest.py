@@ -195,3 +195,22 @@ def test_step_records_reach_the_job_page_with_tokens(node, make_job, django_capt
     assert message["event"] == "step_records"
     (point,) = message["payload"]["points"]
     assert (point["step"], point["step_s"], point["loss"], point["tokens"]) == (5, 1.5, 1.25, {"text": 10, "video": 20})
+
+
+def test_source_state_known_to_this_process_is_checked_not_trusted(node, django_capture_on_commit_callbacks):
+    start = time.time() - 200
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest_gpu_batch(node, gpu_batch(seq=0, samples=8, start_s=start))
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest_gpu_batch(node, gpu_batch(seq=1, samples=8, start_s=start + 1))
+    source = TelemetrySource.objects.get()
+    assert (source.high_seq, source.batches_total, source.samples_total) == (1, 2, 16)
+    # Another process stores seq 5 behind this one's back: the guess is stale and must lose.
+    TelemetrySource.objects.filter(pk=source.pk).update(high_seq=5, window=(0b110001).to_bytes(128, "big"))
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest_gpu_batch(node, gpu_batch(seq=2, samples=8, start_s=start + 2))
+    source.refresh_from_db()
+    assert (source.high_seq, source.batches_total) == (5, 3)
+    assert int.from_bytes(bytes(source.window), "big") == 0b111001
+    assert ingest_gpu_batch(node, gpu_batch(seq=1, samples=8, start_s=start + 1)).duplicate
+    assert GpuSample.objects.count() == 24
