@@ -16,10 +16,11 @@ and drops it afterwards. Phases, all in one process and one run:
    process RSS each second (``rss_mb_*``, ``rss_growth_mb``); meanwhile a probe thread on its own
    connection measures **freshness**: from a batch being handed to ingestion to its newest
    sample being visible through ``telemetry.queries.latest_gpu_samples`` (``freshness_p95_s``).
-4. **rollups and query**: the real rollup passes over the soak's raw samples (``rollup_s``), plus
-   7 days of synthetic 1-minute/1-hour rollups for 64 GPUs before them, then a 7-day, 64-GPU
-   ``gpu_utilisation_series`` at ``max_points=2000`` (``query_ms_p50``/``query_ms_p95``, server
-   time) and the 7-day ``cluster_utilisation``.
+4. **rollups and query**: 64 more GPUs (8 nodes) report at 1 Hz for ``--query-recent-s`` (raw,
+   through the project path); the real rollup passes run over everything stored (``rollup_s``);
+   7 days of synthetic 1-minute/1-hour rollups for those 64 GPUs are seeded before their raw
+   data; then a 7-day, 64-GPU ``gpu_utilisation_series`` at ``max_points=2000``
+   (``query_ms_p50``/``query_ms_p95``, server time) and the 7-day ``cluster_utilisation``.
 
 Figures and how to read them: docs/telemetry.md.
 """
@@ -227,7 +228,7 @@ class FreshnessProbe(threading.Thread):
                 if time.perf_counter() - handed_s > 30:
                     self.timeouts += 1
                     break
-                time.sleep(0.002)
+                time.sleep(0.01)
         connection.close()
 
 
@@ -334,12 +335,28 @@ def _seed_rollups(nodes: list, before: datetime, days: float) -> int:
     return written
 
 
-def _query_phase(nodes: list, oldest_raw_s: float, repeats: int) -> dict:
+def _query_phase(repeats: int, recent_s: float) -> dict:
+    """64 GPUs (8 dedicated nodes) reporting at 1 Hz: ``recent_s`` of raw samples through the
+    project path, the real rollup passes, 7 days of older rollups seeded, then the chart."""
+    import numpy as np
     from django.db import connection
 
+    from jobs.models import Node
     from telemetry import queries, rollups
+    from telemetry.ingest import ingest_gpu_batch
     from telemetry.models import RollupWatermark
 
+    nodes = [Node.objects.create(name=f"bench-query-n{i}", rack="rq", switch="rq-s0", gpu_count=GPUS_PER_NODE)
+             for i in range(QUERY_NODES)]
+    now_s = time.time()
+    oldest_raw_s = now_s - recent_s
+    util = np.random.default_rng(5).uniform(0, 100, 4096).round(1).tolist()
+    per_batch_s = 125  # 125 s of 8 GPUs at 1 Hz = 1000 samples
+    for node in nodes:
+        for seq, first_s in enumerate(np.arange(oldest_raw_s, now_s - 1, per_batch_s).tolist()):
+            samples = [{"gpu": g, "at": first_s + k, "util_pct": util[(k * 8 + g) % 4096], "mem_used_bytes": 1 << 35}
+                       for k in range(per_batch_s) if first_s + k < now_s for g in range(GPUS_PER_NODE)]
+            ingest_gpu_batch(node, {"source": "query-agent", "seq": seq, "samples": samples})
     started = time.perf_counter()
     passes = 0
     current_minute = datetime.now(UTC).replace(second=0, microsecond=0)
@@ -351,13 +368,13 @@ def _query_phase(nodes: list, oldest_raw_s: float, repeats: int) -> dict:
             break
     rollup_s = time.perf_counter() - started
     marks = dict(RollupWatermark.objects.values_list("level", "rolled_until"))
-    before = datetime.fromtimestamp(oldest_raw_s, UTC).replace(second=0, microsecond=0) - timedelta(hours=1)
-    seeded = _seed_rollups(nodes[:QUERY_NODES], before.replace(minute=0), days=7)
+    before = datetime.fromtimestamp(oldest_raw_s, UTC).replace(minute=0, second=0, microsecond=0)
+    seeded = _seed_rollups(nodes, before, days=7)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE telemetry_gpusample")
     end = datetime.now(UTC)
     start = end - timedelta(days=7)
-    node_ids = [node.pk for node in nodes[:QUERY_NODES]]
+    node_ids = [node.pk for node in nodes]
     timings, cluster_timings = [], []
     result = {}
     for _ in range(repeats):
@@ -429,7 +446,7 @@ def run(args: argparse.Namespace) -> dict:
     # 3. soak in real time at the target rate, with the freshness probe and RSS samples
     soak = _soak(nodes, args.batch, args.soak_s, args.soak_rate, args.probe_every)
     # 4. rollups and the 7-day query
-    query = _query_phase(nodes, time.time() - args.soak_s - 120, args.query_repeats)
+    query = _query_phase(args.query_repeats, args.query_recent_s)
     copy_rate = samples / copy_s
     project_rate = samples / ingest_s
     return {
@@ -456,12 +473,14 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object (the only output)")
-    parser.add_argument("--samples", type=int, default=2_000_000, help="samples in the COPY and project phases")
+    parser.add_argument("--samples", type=int, default=1_000_000, help="samples in the COPY and project phases")
     parser.add_argument("--batch", type=int, default=1000, help="samples per batch (multiple of 8)")
     parser.add_argument("--soak-s", type=float, default=20.0, help="seconds of paced ingestion (600 for memory)")
     parser.add_argument("--soak-rate", type=float, default=50_000.0, help="samples per second during the soak")
     parser.add_argument("--probe-every", type=int, default=10, help="probe freshness every N batches")
     parser.add_argument("--query-repeats", type=int, default=20)
+    parser.add_argument("--query-recent-s", type=float, default=3600.0,
+                        help="seconds of 1 Hz raw samples behind the 7-day chart (the rest is seeded rollups)")
     parser.add_argument("--database-url", default=None, help="PostgreSQL server (default DATABASE_URL or local)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database")
     args = parser.parse_args(argv)

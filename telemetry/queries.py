@@ -32,8 +32,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
-from django.db import connection
-from django.db.models import Sum
+from django.db import connection, transaction
+from django.db.models import Max, Sum
 
 from telemetry.partitions import retention_for
 
@@ -268,6 +268,21 @@ def _series(
     marks = dict(
         RollupWatermark.objects.filter(level__startswith=watermark_prefix).values_list("level", "rolled_until")
     )
+    with transaction.atomic():
+        if _postgres():
+            # Chart queries read few rows; parallel workers' start-up costs more than they save.
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+        return _read_levels(sources, marks, watermark_prefix, plan, start, end, key_columns, filters, metrics,
+                            names, unique_per_bucket)
+
+
+def _read_levels(
+    sources: dict[str, Source], marks: dict[str, datetime], watermark_prefix: str, plan: Plan, start: datetime,
+    end: datetime, key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
+    metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool,
+) -> dict[tuple, _Trace]:
+    """The levels from ``plan.level`` down to raw, each up to its watermark, merged."""
     traces: dict[tuple, _Trace] = {}
     level: str | None = plan.level
     lower = start
@@ -342,13 +357,17 @@ def gpu_utilisation_series(
     filters: list[tuple[str, Sequence[int]]] = []
     if wanted is not None:
         filters.append(("node_id", sorted({n for n, _ in wanted})))
-    elif node_ids is not None:
-        filters.append(("node_id", sorted(set(node_ids))))
-    if wanted is not None:
+        filters.append(("gpu_index", sorted({g for _, g in wanted})))
         gpu_count = len(wanted)
     else:
         nodes = Node.objects.filter(pk__in=node_ids) if node_ids is not None else Node.objects.all()
-        gpu_count = nodes.aggregate(n=Sum("gpu_count"))["n"] or 1
+        sizes = nodes.aggregate(n=Sum("gpu_count"), most=Max("gpu_count"))
+        gpu_count = sizes["n"] or 1
+        if node_ids is not None:
+            # gpu_index bounds too, so each GPU is a range scan of the (node, gpu, time) key
+            # rather than a scan of the whole partition.
+            filters.append(("node_id", sorted(set(node_ids))))
+            filters.append(("gpu_index", list(range(sizes["most"] or 0))))
     plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
     traces = _series(GPU_SOURCES, "gpu-", plan, start, end, ["node_id", "gpu_index"], filters, GPU_METRICS, metrics)
     names = dict(Node.objects.filter(pk__in={k[0] for k in traces}).values_list("pk", "name"))
