@@ -58,6 +58,11 @@ STEP_METRICS: dict[str, tuple[str, str, str]] = {
     "compute_s": ("compute_s", "compute_s_mean", "mean"),
     "comm_s": ("comm_s", "comm_s_mean", "mean"),
     "loss": ("loss", "loss_mean", "mean"),
+    # Mean tokens per step record (rank-step), by modality: rollups hold sums.
+    **{
+        f"tokens_{m}": (f"tokens_{m}", f"CAST(tokens_{m}_sum AS double precision) / NULLIF(records, 0)", "mean")
+        for m in ("text", "image", "video", "audio")
+    },
 }
 DEFAULT_GPU_METRICS = ("util_pct", "util_max_pct")
 DEFAULT_STEP_METRICS = ("step", "step_s", "step_s_max", "data_wait_s", "compute_s", "comm_s", "loss")
@@ -401,7 +406,8 @@ def step_series(
     metrics: Sequence[str] = DEFAULT_STEP_METRICS, now: datetime | None = None,
 ) -> dict[str, Any]:
     """One trace ``"job"`` of a job's step records over all ranks: latest step, mean and max
-    step time (the max shows stragglers), data-wait/compute/communication means, loss."""
+    step time (the max shows stragglers), data-wait/compute/communication means, loss, and on
+    request ``tokens_<modality>`` (mean tokens per rank-step)."""
     unknown = set(metrics) - set(STEP_METRICS)
     if unknown:
         raise ValueError(f"unknown step metrics: {sorted(unknown)}")

@@ -115,6 +115,8 @@ def test_job_series_cover_the_gpus_it_holds_and_its_steps(node, make_job):
     steps = queries.step_series(job.pk, start=start, end=end, max_points=10)
     trace = steps["traces"]["job"]
     assert (trace["step"], trace["step_s"], trace["step_s_max"], trace["loss"]) == ([3.0], [1.0], [1.5], [2.0])
+    tokens = queries.step_series(job.pk, start=start, end=end, max_points=10, metrics=("tokens_text",))
+    assert tokens["traces"]["job"]["tokens_text"] == [None]  # no token counts were sent
     latest = queries.latest_gpu_samples(node_ids=[node.pk])
     assert latest[(node.pk, 3)]["util_pct"] == 90.0
 

@@ -83,3 +83,22 @@ def test_step_minute_rollup_averages_over_ranks(node, make_job):
     row = StepMinute.objects.get(job=job, bucket=start)
     assert (row.records, row.ranks, row.step_max, row.tokens_text_sum) == (40, 4, 9, 4000)
     assert (row.step_s_mean, row.step_s_max) == (pytest.approx(2.5), 4.0)
+
+
+def test_step_series_reads_token_means_from_rollups(node, make_job):
+    from telemetry import queries
+
+    job = make_job()
+    start = _minute_ago(3)
+    records = [{"job": job.pk, "rank": rank, "step": step, "at": start.timestamp() + step, "step_s": 1.0,
+                "tokens": {"text": 100, "image": 10 * rank}} for rank in range(2) for step in range(30)]
+    ingest_step_batch(node, {"source": "s", "seq": 0, "samples": records})
+    _roll_up_until_done()
+    end = datetime.now(UTC)
+    result = queries.step_series(job.pk, start=end - timedelta(days=3), end=end, max_points=2000,
+                                 metrics=("tokens_text", "tokens_image"))
+    assert result["level"] == "minute"
+    trace = result["traces"]["job"]
+    assert sum(trace["samples"]) == 60
+    assert set(trace["tokens_text"]) == {100.0}
+    assert set(trace["tokens_image"]) == {5.0}
