@@ -1116,7 +1116,8 @@ def record_heartbeat(node: Node, workers: list[dict[str, Any]]) -> None:
     failed until repaired), and each worker's newest complete checkpoint is noted."""
     now = timezone.now()
     Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now)
-    if node.state == NodeState.SUSPECT:
+    # The caller's Node may be stale (a consumer holds it for the whole connection): ask the row.
+    if Node.objects.filter(pk=node.pk, state=NodeState.SUSPECT).exists():
         with transaction.atomic():
             fresh = Node.objects.select_for_update().get(pk=node.pk)
             if fresh.state == NodeState.SUSPECT:

@@ -9,6 +9,7 @@ answered with an ``error`` frame and change nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -42,12 +43,24 @@ def _in_pool(function, *args):
 run_in_pool = sync_to_async(_in_pool, thread_sensitive=False)
 
 
+# Step-record frames waiting for the database, per socket; beyond this the oldest are dropped.
+MAX_QUEUED_STEP_FRAMES = 200
+
+
 class AgentConsumer(AsyncWebsocketConsumer):
-    """One node agent's socket: auth, hello + replay, heartbeats, acks, outcomes, step records."""
+    """One node agent's socket: auth, hello + replay, heartbeats, acks, outcomes, step records.
+
+    Step records go through a per-socket queue drained by a background task, so a burst of
+    telemetry never delays the heartbeats, acks and outcomes behind it (a node must not look
+    dead because its trainer is fast).
+    """
 
     node: Node | None = None
     group: str | None = None
     bad_frames = 0
+    steps_queue: asyncio.Queue | None = None
+    steps_task: asyncio.Task | None = None
+    dropped_step_frames = 0
 
     async def connect(self) -> None:
         headers = parse_headers(self.scope.get("headers", []))
@@ -76,7 +89,19 @@ class AgentConsumer(AsyncWebsocketConsumer):
         )
         logger.info("agent of %s connected from %s", self.node.name, peer)
 
+    async def _drain_steps(self) -> None:
+        assert self.steps_queue is not None
+        while True:
+            frame = await self.steps_queue.get()
+            try:
+                for reply in await run_in_pool(handle_frame, self.node, frame):
+                    await self.send_frame(reply)
+            except Exception:
+                logger.exception("step records from %s failed", self.node.name if self.node else "?")
+
     async def disconnect(self, code: int) -> None:
+        if self.steps_task is not None:
+            self.steps_task.cancel()
         if self.group is not None:
             await self.channel_layer.group_discard(self.group, self.channel_name)
             logger.info("agent of %s disconnected (%s)", self.node.name if self.node else "?", code)
@@ -106,6 +131,17 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 logger.warning("could not re-join %s on the channel layer", self.group)
         if frame["type"] == protocol.HELLO:
             await self.on_hello(frame)
+            return
+        if frame["type"] == protocol.STEPS:
+            if self.steps_queue is None:
+                self.steps_queue = asyncio.Queue()
+                self.steps_task = asyncio.create_task(self._drain_steps())
+            if self.steps_queue.qsize() >= MAX_QUEUED_STEP_FRAMES:
+                self.steps_queue.get_nowait()
+                self.dropped_step_frames += 1
+                logger.warning("dropped a step-record frame from %s (database behind; %d so far)",
+                               self.node.name, self.dropped_step_frames)
+            self.steps_queue.put_nowait(frame)
             return
         replies = await run_in_pool(handle_frame, self.node, frame)
         for reply in replies:

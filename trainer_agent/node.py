@@ -38,6 +38,7 @@ from trainer_agent import protocol
 logger = logging.getLogger("trainer_agent.node")
 
 RECORD_BUFFER = 2000
+RECORD_FLUSH_S = 1.0
 APPLIED_MEMORY = 4096
 SIM_CHECKPOINT = "sim-checkpoint.json"
 
@@ -328,6 +329,7 @@ class NodeAgent:
         self.ws: Any = None
         self.seq = 0
         self.steps_seq = 0
+        self._records_sent_at = 0.0
         # Identifies this agent process in telemetry batches: (boot, seq) de-duplicates replays.
         self.boot = f"{int(time.time()):x}{random.randrange(1 << 16):04x}"
         self.connected = asyncio.Event()
@@ -348,6 +350,8 @@ class NodeAgent:
             self.records_out.append({"job": job, "record": record})
 
     async def _flush(self) -> None:
+        """Send queued acks/outcomes at once; step records at most every RECORD_FLUSH_S, one
+        frame per job (a fast trainer must not flood the socket ahead of heartbeats)."""
         ws = self.ws
         if ws is None:
             return
@@ -355,21 +359,33 @@ class NodeAgent:
             frame = self.control_out[0]
             await ws.send(protocol.dumps(frame))
             self.control_out.popleft()
+        now = time.monotonic()
+        if not self.records_out or (now - self._records_sent_at < RECORD_FLUSH_S
+                                    and len(self.records_out) < protocol.MAX_RECORDS_PER_FRAME):
+            return
+        self._records_sent_at = now
+        by_job: dict[str, list[dict[str, Any]]] = {}
         while self.records_out:
-            job = self.records_out[0]["job"]
-            batch = []
-            while self.records_out and self.records_out[0]["job"] == job and len(batch) < 200:
-                batch.append(self.records_out[0]["record"])
-                self.records_out.popleft()
+            item = self.records_out.popleft()
+            by_job.setdefault(item["job"], []).append(item["record"])
+        pending = list(by_job.items())
+        while pending:
+            job, records = pending[0]
+            batch, rest = records[:200], records[200:]
             self.steps_seq += 1
             frame = {"type": protocol.STEPS, "job": job, "records": batch, "boot": self.boot, "seq": self.steps_seq,
                      "sent_at": time.time()}
             try:
                 await ws.send(protocol.dumps(frame))
             except Exception:
-                for record in reversed(batch):
-                    self.records_out.appendleft({"job": job, "record": record})
+                for other_job, other in reversed(pending):
+                    for record in reversed(other):
+                        self.records_out.appendleft({"job": other_job, "record": record})
                 raise
+            if rest:
+                pending[0] = (job, rest)
+            else:
+                pending.pop(0)
 
     def _workers_report(self) -> list[dict[str, Any]]:
         out = []

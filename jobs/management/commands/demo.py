@@ -10,7 +10,6 @@ its window, and resume from their checkpoints once the GPUs are free again. docs
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -102,38 +101,42 @@ class Director:
                 return
         nodes = self._tokens()
         torch_names = {name for name, _, _ in nodes[: self.torch_nodes]}
-        victim = nodes[-1][0] if len(nodes) > 2 else None
-        virtual = []
+        # One process per node (simulated ones are light), so any one of them can die alone.
         for name, token, gpus in nodes:
-            if name in torch_names or name == victim:
-                self._spawn(f"agent-{name}", self._agent_argv(name, token, gpus, simulated=name not in torch_names))
-            else:
-                virtual.append({"node": name, "token": token, "gpus": gpus})
-        if virtual:
-            spec = self.dir / "virtual-nodes.json"
-            spec.write_text(json.dumps(virtual))
-            spec.chmod(0o600)
-            self._spawn("agents-simulated", [
-                sys.executable, "-m", "trainer_agent.node", "--server", f"http://{self.host}:{self.port}",
-                "--virtual-nodes", str(spec), "--runs-dir", str(self.dir / "runs"), "--time-scale", "0.5",
-            ])
+            self._spawn(f"agent-{name}", self._agent_argv(name, token, gpus, simulated=name not in torch_names))
         kinds = f"{len(torch_names)} with real torch workers, {len(nodes) - len(torch_names)} simulated"
         self.say(f"started agents for {len(nodes)} nodes ({kinds}); logs in {self.dir}")
-        if victim is None or self.fail_after_s <= 0:
+        if self.fail_after_s <= 0 or self._stop.wait(self.fail_after_s):
             return
-        if self._stop.wait(self.fail_after_s):
+        victim = self._pick_victim(set(self.procs) - {f"agent-{n}" for n in torch_names})
+        if victim is None:
+            self.say("no simulated node runs anything; skipping the node failure")
             return
         self.say(f"kill -9 the agent of {victim}: watch it go suspect, then failed, and its job recover elsewhere")
         proc = self.procs.pop(f"agent-{victim}")
         os.killpg(proc.pid, signal.SIGKILL)
         if self._stop.wait(30):
             return
-        token = Node.objects.get(name=victim)
-        self.say(f"{victim}'s agent is back; the node stays {token.state} until an operator marks it repaired "
-                 "(console -> nodes)")
+        state = Node.objects.get(name=victim).state
         close_old_connections()
-        tokens = {name: (tok, gpus) for name, tok, gpus in nodes}
-        self._spawn(f"agent-{victim}", self._agent_argv(victim, tokens[victim][0], tokens[victim][1], simulated=True))
+        self.say(f"{victim}'s agent is back; the node stays {state} until an operator marks it repaired "
+                 "(console: nodes)")
+        token, gpus = next((t, g) for n, t, g in nodes if n == victim)
+        self._spawn(f"agent-{victim}", self._agent_argv(victim, token, gpus, simulated=True))
+
+    def _pick_victim(self, candidates: set[str]) -> str | None:
+        """The simulated node running the most important work (a regular job if any)."""
+        from jobs.models import Allocation
+
+        rank = {"critical": 0, "regular": 1, "best_effort": 2}
+        best: tuple[int, str] | None = None
+        for alloc in Allocation.objects.select_related("node", "job"):
+            if f"agent-{alloc.node.name}" not in candidates:
+                continue
+            key = (rank.get(alloc.job.priority, 3), alloc.node.name)
+            best = key if best is None or key < best else best
+        close_old_connections()
+        return best[1] if best else None
 
     def start(self) -> None:
         threading.Thread(target=self.run, name="omni-demo-director", daemon=True).start()

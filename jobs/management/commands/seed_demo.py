@@ -41,11 +41,15 @@ DEMO_JOBS = [
 # borrow them, are preempted with a checkpoint ahead of the window, and resume afterwards.
 # (name, owner, class, tp, pp, dp, dp_min, dp_max, global batch, micro batch, steps, step_s, ckpt every)
 STORY_JOBS = [
-    ("omni-7b", "olga", Priority.CRITICAL, 4, 1, 2, 2, 2, 16, 2, 240, 1.0, 20),
-    ("sft-chat", "alice", Priority.REGULAR, 4, 1, 2, 1, 2, 64, 2, 100_000, 2.0, 25),
-    ("video-caption", "alice", Priority.REGULAR, 4, 1, 1, 1, 1, 32, 4, 100_000, 3.0, 20),
+    ("omni-7b", "olga", Priority.CRITICAL, 4, 1, 2, 2, 2, 16, 2, 120, 1.0, 20),
+    # Regular jobs with slow steps: a loan into a 150 s window would not fit their start-up,
+    # load, some steps and the save, so they take general capacity...
+    ("sft-chat", "alice", Priority.REGULAR, 4, 1, 2, 1, 2, 64, 2, 100_000, 5.0, 25),
+    ("video-caption", "alice", Priority.REGULAR, 4, 1, 1, 1, 1, 32, 4, 100_000, 6.0, 20),
+    # ...and the quick best-effort ones overflow onto omni-7b's idle reserved GPUs.
     ("ablation-lr", "bob", Priority.BEST_EFFORT, 1, 1, 2, 1, 2, 16, 2, 100_000, 1.0, 10),
     ("ablation-vit", "alice", Priority.BEST_EFFORT, 1, 1, 2, 1, 2, 16, 2, 100_000, 1.0, 10),
+    ("ablation-mix", "bob", Priority.BEST_EFFORT, 1, 1, 2, 1, 2, 16, 2, 100_000, 1.0, 10),
     ("debug-tokenizer", "bob", Priority.BEST_EFFORT, 1, 1, 1, 1, 1, 16, 2, 100_000, 1.0, 10),
 ]
 STORY_WINDOW_IN_S = 150
