@@ -488,7 +488,9 @@ def _window_bytes(window: int) -> bytes:
     return window.to_bytes(WINDOW_BATCHES // 8, "big")
 
 
-def _advance_source(node: Node, name: str, kind: str, seq: int, now: datetime, update: list) -> _Advance:
+def _advance_source(
+    node: Node, name: str, kind: str, seq: int, now: datetime, update: list, *, async_commit: bool
+) -> _Advance:
     """Claim the source row and decide whether ``seq`` is new.
 
     On PostgreSQL ``SET LOCAL synchronous_commit``, the claim and (when this process knows the
@@ -514,7 +516,7 @@ def _advance_source(node: Node, name: str, kind: str, seq: int, now: datetime, u
     connection.ensure_connection()
     raw = connection.connection
     with raw.pipeline(), raw.cursor() as claim_cursor, raw.cursor() as update_cursor:
-        if settings.OMNI_TELEMETRY_ASYNC_COMMIT:
+        if async_commit:
             claim_cursor.execute("SET LOCAL synchronous_commit TO off")
         claim_cursor.execute(_CLAIM_SOURCE, claim)
         if planned is not None and guess is not None:
@@ -540,9 +542,11 @@ def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now
     newest = datetime.fromtimestamp(last_s, tz=UTC)
     lag_s = max(0.0, now.timestamp() - last_s)
     postgres = connection.vendor == "postgresql"
+    # Inside a caller's transaction the commit is the caller's: its durability is not ours to relax.
+    async_commit = settings.OMNI_TELEMETRY_ASYNC_COMMIT and not connection.in_atomic_block
     with transaction.atomic():
         update = [len(rows), now, newest, newest, lag_s]
-        advance = _advance_source(node, source_name, kind, seq, now, update)
+        advance = _advance_source(node, source_name, kind, seq, now, update, async_commit=async_commit)
         if not advance.is_new:
             TelemetrySource.objects.filter(pk=advance.source_id).update(duplicates_total=F("duplicates_total") + 1)
             metrics.count("omni_telemetry_batches_total", f"{kind},duplicate")
