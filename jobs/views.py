@@ -312,7 +312,8 @@ def console(request: HttpRequest) -> HttpResponse:
         "last_run": PlannerRun.objects.order_by("-started_at").first(),
         "console_data": {
             "gantt": gantt, "since": since.isoformat(), "until": until.isoformat(), "now": now.isoformat(),
-            "utilisation": utilisation_series(now - timedelta(hours=24), now), "gpus_total": gpus_total,
+            "utilisation": utilisation_series(now - timedelta(hours=24), now, gpus_total=gpus_total),
+            "gpus_total": gpus_total,
             "node_actions": NODE_ACTIONS_FROM,
         },
     }

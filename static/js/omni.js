@@ -222,9 +222,11 @@
     for (const key of ["records", "samples", "points", "steps", "gpus"]) if (Array.isArray(payload[key])) return payload[key];
     return [payload];
   }
+  // Times on the charts are milliseconds since the epoch (the server sends history that way;
+  // telemetry sends Unix seconds).
   const recordTime = (r) => {
     const t = r.at !== undefined ? r.at : r.t;
-    return typeof t === "number" ? new Date(t * 1000).toISOString() : t;
+    return typeof t === "number" ? t * 1000 : Date.parse(t);
   };
   function jobPage(data) {
     const live = new LiveSocket();
@@ -266,7 +268,7 @@
         yaxis: Object.assign(baseLayout().yaxis, {title: {text: "s / step"}})}), PLOT_CONFIG);
       let gpuTraces;
       if (heat) {
-        const times = Array.from(new Set(Object.values(series.gpus).flatMap((t) => t.t))).sort();
+        const times = Array.from(new Set(Object.values(series.gpus).flatMap((t) => t.t))).sort((a, b) => a - b);
         const col = {}; times.forEach((t, i) => { col[t] = i; });
         const z = gpuNames.map((name) => {
           const row = new Array(times.length).fill(null);
@@ -346,7 +348,7 @@
       if (heat) drawAll();
       else Plotly.extendTraces("chart-gpu", {x: indices.map((i) => perTrace[i].x), y: indices.map((i) => perTrace[i].y)}, indices, MAX_POINTS);
       bump(indices.reduce((n, i) => n + perTrace[i].x.length, 0));
-      growRange(indices.map((i) => perTrace[i].x[perTrace[i].x.length - 1]).sort().pop());
+      growRange(Math.max(...indices.map((i) => perTrace[i].x[perTrace[i].x.length - 1])));
     }
     live.subscribe("job", data.job_id);
     ["step_records", "steps"].forEach((name) => live.on(name, (payloads) => appendSteps(payloads.flatMap(asRecords))));

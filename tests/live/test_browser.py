@@ -214,6 +214,9 @@ def test_each_role_signs_in_and_sees_its_pages(open_as, asgi_server, researcher,
     assert page.locator("h1").inner_text() == "My jobs"
     assert page.locator(f"#jobs tr[data-job-id='{job.pk}']").count() == 1
     assert page.locator("nav >> text=Audit").count() == 0
+    page.click(f"#jobs >> text={job.name}")
+    page.wait_for_url(f"{asgi_server}/jobs/{job.pk}/")
+    page.go_back()
     response = page.goto(f"{asgi_server}/audit/")
     assert response.status == 403
 
