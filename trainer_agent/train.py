@@ -134,7 +134,7 @@ def validate_dp(dp: int, global_batch: int, micro_batch: int, max_dp: int) -> No
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now (the rendezvous for this launch)."""
+    """A TCP port nobody listens on right now (for single-process rendezvous, e.g. the benchmark)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -147,16 +147,22 @@ class WorkerGroup:
         self.config = config
         self.procs: list[subprocess.Popen[bytes]] = []
         self.signals_forwarded = 0
+        self.rendezvous: Path | None = None
 
     def start(self) -> None:
         """Start one process per rank with the torch.distributed environment."""
-        port = free_port()
+        # Rendezvous through a fresh file in the run dir rather than a TCP port: on a node shared
+        # with other jobs a port found free can be taken before rank 0 binds it.
+        self.rendezvous = Path(self.config["run_dir"]) / f".rendezvous-{os.getpid()}-{time.time_ns()}"
         for rank in range(self.config["dp"]):
             env = dict(os.environ)
             env.update(
                 OMNI_TRAINER_CONFIG=json.dumps(self.config), RANK=str(rank), LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(self.config["dp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                WORLD_SIZE=str(self.config["dp"]), OMNI_TRAINER_RENDEZVOUS=f"file://{self.rendezvous}",
                 CUBLAS_WORKSPACE_CONFIG=":4096:8", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+                # Spinning OpenMP threads starve the peer ranks (and anyone else) on a shared node:
+                # a 2-thread rank spun 5x the CPU of a passive one when the cores were oversubscribed.
+                OMP_WAIT_POLICY=env.get("OMP_WAIT_POLICY", "PASSIVE"),
             )
             self.procs.append(subprocess.Popen([sys.executable, "-m", "trainer_agent.worker"], env=env))
 
@@ -185,6 +191,8 @@ class WorkerGroup:
                     if proc.poll() is None:
                         proc.kill()
             if all(c is not None for c in (proc.poll() for proc in self.procs)):
+                if self.rendezvous is not None:
+                    self.rendezvous.unlink(missing_ok=True)
                 return failed
             time.sleep(0.05)
 
@@ -193,6 +201,8 @@ def launch(config: dict[str, Any]) -> int:
     """Run workers (again at a new DP after a requested resize); print the outcome; return the exit code."""
     run_dir = Path(config["run_dir"])
     run_dir.mkdir(exist_ok=True)
+    for stale in run_dir.glob(".rendezvous-*"):  # left by a launch that was killed
+        stale.unlink(missing_ok=True)
     while True:
         exit_file = run_dir / EXIT_FILE
         exit_file.unlink(missing_ok=True)

@@ -1,8 +1,8 @@
 """One data-parallel rank of the reference trainer, started by ``trainer_agent.train``.
 
 Reads its configuration from the ``OMNI_TRAINER_CONFIG`` environment variable (JSON) and its
-place from the torch.distributed variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``). Trains with DDP and gradient accumulation, reports each step through
+place from the torch.distributed variables (``RANK``, ``WORLD_SIZE``, and either
+``OMNI_TRAINER_RENDEZVOUS=file://...`` or ``MASTER_ADDR``/``MASTER_PORT``). Trains with DDP and gradient accumulation, reports each step through
 ``trainer_agent.runtime``, and checkpoints every N steps and when asked to stop.
 """
 
@@ -301,7 +301,12 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
         torch.backends.cudnn.allow_tf32 = False
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    # The launcher rendezvouses through a file (OMNI_TRAINER_RENDEZVOUS=file://...); an external
+    # launcher can use the usual MASTER_ADDR / MASTER_PORT environment instead.
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", init_method=os.environ.get("OMNI_TRAINER_RENDEZVOUS", "env://"),
+        rank=rank, world_size=world_size, timeout=timedelta(seconds=300),
+    )
     model_config = MODEL_PRESETS[config.model]
     store = CheckpointStore(run_dir / "checkpoints", keep=config.keep)
 

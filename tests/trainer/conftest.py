@@ -28,7 +28,7 @@ def trainer_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_trainer(run_dir: Path, *args: str, timeout_s: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
+def run_trainer(run_dir: Path, *args: str, timeout_s: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
     """Run the launcher to completion and return its result (stdout/stderr captured)."""
     return subprocess.run(
         trainer_command(run_dir, *args), cwd=REPO_ROOT, env=trainer_env(**env), capture_output=True, text=True, timeout=timeout_s,
@@ -55,7 +55,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 40-step run at DP=2, shared by every test that compares against it."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     result = run_trainer(run_dir, *REFERENCE_ARGS, "--dp", "2")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     return run_dir
 
 
@@ -64,5 +64,5 @@ def preempted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpr
     """The reference configuration preempted by --stop-at-step 17 (copy it before resuming)."""
     run_dir = tmp_path_factory.mktemp("preempted") / "run"
     result = run_trainer(run_dir, *REFERENCE_ARGS, "--dp", "2", "--stop-at-step", "17")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     return run_dir, result

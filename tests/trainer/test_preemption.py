@@ -70,7 +70,9 @@ def test_preempt_then_resume_at_same_dp_is_bitwise_identical(reference_run: Path
 @pytest.mark.parametrize("new_dp", [1, 4])
 def test_resume_at_another_dp_keeps_global_batch_and_trajectory(reference_run: Path, preempted_run, tmp_path: Path, new_dp: int) -> None:
     run_dir = _copy_run(preempted_run[0], tmp_path)
-    result = run_trainer(run_dir, *REFERENCE_ARGS, "--dp", str(new_dp))
+    # The DP=1 resume also writes its periodic checkpoints asynchronously: same trajectory.
+    async_flag = ("--async-save",) if new_dp == 1 else ()
+    result = run_trainer(run_dir, *REFERENCE_ARGS, "--dp", str(new_dp), *async_flag)
     assert result.returncode == 0, result.stderr
     reference, resumed = losses(reference_run), losses(run_dir)
     assert sorted(resumed) == list(range(1, 41))
@@ -78,6 +80,7 @@ def test_resume_at_another_dp_keeps_global_batch_and_trajectory(reference_run: P
         assert resumed[step] == reference[step]
     for step in range(18, 41):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4)
+    assert CheckpointStore(run_dir / "checkpoints").complete_steps() == [30, 35, 40]
     after = read_records(run_dir)[18]
     assert (after["dp"], after["accum"], after["global_batch"]) == (new_dp, 16 // (2 * new_dp), 16)
 
