@@ -68,7 +68,9 @@ def test_embedded_mode_boots_from_nothing_and_serves_login_and_dashboard(tmp_pat
         form = urlencode({"username": "alice", "password": "omni-demo-pass", "csrfmiddlewaretoken": token})
         request = urllib.request.Request(f"{base}/login/", data=form.encode(), headers={"Referer": f"{base}/login/"})
         dashboard = opener.open(request, timeout=10).read().decode()
-        assert "omni-7b" in dashboard and "r0s0n0" in dashboard
+        assert "sft-chat" in dashboard  # alice's own job: the dashboard lists a researcher's jobs
+        console = opener.open(f"{base}/console/", timeout=10).read().decode()
+        assert "omni-7b" in console and "r0s0n0" in console  # the cluster map
         css = urllib.request.urlopen(f"{base}/static/css/omni.css", timeout=10)
         assert css.status == 200
     finally:
