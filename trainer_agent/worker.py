@@ -249,6 +249,13 @@ def report_tokens(runtime: TrainerRuntime, batch: StepBatch, rank: int, local_lo
     runtime.add_loss(local_loss, local_tokens["text"])
 
 
+def _grad_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+    """The loss scaler for fp16 (``torch.amp`` API; older torch only had the CUDA one)."""
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled)  # pragma: no cover - torch < 2.3
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -327,7 +334,7 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.base_lr, betas=(0.9, 0.98), weight_decay=0.01)
     schedule = LRSchedule(config.base_lr, config.warmup_steps, config.schedule_steps)
     use_scaler = config.precision == "fp16"
-    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    scaler = _grad_scaler(device, use_scaler)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
     modality_stats = {"image_tokens": 0, "video_tokens": 0, "text_tokens": 0, "image_samples": 0, "video_samples": 0}
     start_step = 0

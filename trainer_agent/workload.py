@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 COLOURS: dict[str, tuple[float, float, float]] = {
@@ -342,7 +341,21 @@ class MultimodalLM(nn.Module):
         seq = self.lm_norm(seq)
         text_states = torch.stack([seq[i, batch.visual_lengths[i] : batch.visual_lengths[i] + lt] for i in range(b)])
         logits = self.lm_head(text_states).float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.text_targets.reshape(-1), ignore_index=-100, reduction="sum")
+        return summed_token_nll(logits, batch.text_targets)
+
+
+def summed_token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of -log p(target) over positions whose target is not -100.
+
+    Written with a one-hot mask instead of ``F.cross_entropy``: CUDA's NLL loss has no
+    deterministic implementation, and this trainer runs with ``use_deterministic_algorithms``.
+    """
+    log_probs = logits.log_softmax(dim=-1)
+    valid = targets != -100
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    one_hot = targets.clamp(min=0).unsqueeze(-1) == vocab
+    token_nll = -(log_probs * one_hot).sum(dim=-1)
+    return (token_nll * valid).sum()
 
 
 def estimated_cost(spec: SampleSpec, config: ModelConfig) -> float:
