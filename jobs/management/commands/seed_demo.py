@@ -44,8 +44,8 @@ STORY_JOBS = [
     ("omni-7b", "olga", Priority.CRITICAL, 4, 1, 2, 2, 2, 16, 2, 120, 1.0, 20),
     # Regular jobs with slow steps: a loan into a 150 s window would not fit their start-up,
     # load, some steps and the save, so they take general capacity...
-    ("sft-chat", "alice", Priority.REGULAR, 4, 1, 2, 1, 2, 64, 2, 100_000, 5.0, 25),
-    ("video-caption", "alice", Priority.REGULAR, 4, 1, 1, 1, 1, 32, 4, 100_000, 6.0, 20),
+    ("sft-chat", "alice", Priority.REGULAR, 4, 1, 2, 1, 2, 64, 2, 100_000, 5.0, 10),
+    ("video-caption", "alice", Priority.REGULAR, 4, 1, 1, 1, 1, 32, 4, 100_000, 6.0, 5),
     # ...and the quick best-effort ones overflow onto omni-7b's idle reserved GPUs.
     ("ablation-lr", "bob", Priority.BEST_EFFORT, 1, 1, 2, 1, 2, 16, 2, 100_000, 1.0, 10),
     ("ablation-vit", "alice", Priority.BEST_EFFORT, 1, 1, 2, 1, 2, 16, 2, 100_000, 1.0, 10),
