@@ -128,11 +128,13 @@ class WorkerHandle:
 class TorchJob:
     """A job's real trainer on this node: the launcher process, its run dir and its records."""
 
-    def __init__(self, handle: WorkerHandle, run_dir: Path, payload: dict[str, Any], python: str) -> None:
+    def __init__(self, handle: WorkerHandle, run_dir: Path, payload: dict[str, Any], python: str,
+                 device: str = "cpu") -> None:
         self.handle = handle
         self.run_dir = run_dir
         self.payload = payload
         self.python = python
+        self.device = device
         self.proc: asyncio.subprocess.Process | None = None
         self._offset = 0
         self._inode: int | None = None
@@ -157,10 +159,11 @@ class TorchJob:
         argv = [self.python, "-m", "trainer_agent.train", "--run-dir", str(self.run_dir),
                 "--steps", str(p["total_steps"]), "--dp", str(dp),
                 "--global-batch", str(p["global_batch"]), "--micro-batch", str(p["micro_batch"]),
-                "--checkpoint-every", str(max(1, int(p.get("checkpoint_every", 10))))]
+                "--checkpoint-every", str(max(1, int(p.get("checkpoint_every", 10)))), "--device", self.device]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        if p.get("gpus") is not None and os.environ.get("OMNI_AGENT_SET_CUDA_VISIBLE") == "1":
+        if self.device == "cuda" and p.get("gpus"):
+            # The workers see only the GPUs the control plane gave this job on this node.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p["gpus"])
         self.handle.resume_step = self.newest_checkpoint()
         self.handle.step = self.handle.resume_step
@@ -310,7 +313,7 @@ class NodeAgent:
 
     def __init__(self, server: str, token: str, *, node: str = "", gpus: GpuInventory, runs_dir: Path,
                  simulated_workers: bool = False, time_scale: float = 1.0, heartbeat_s: float | None = None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, device: str = "auto") -> None:
         self.server = server.rstrip("/")
         self.token = token
         self.node = node
@@ -320,6 +323,7 @@ class NodeAgent:
         self.time_scale = time_scale
         self.heartbeat_s = heartbeat_s or 5.0
         self.python = python
+        self.device = ("cuda" if gpus.nvml else "cpu") if device == "auto" else device
         self.jobs: dict[str, TorchJob | SimulatedJob] = {}
         self.members: dict[str, list[int]] = {}
         self.applied: collections.OrderedDict[str, dict[str, Any] | None] = collections.OrderedDict()
@@ -607,7 +611,7 @@ class NodeAgent:
         if self.simulated_workers:
             worker = SimulatedJob(handle, run_dir, payload, self.time_scale)
         else:
-            worker = TorchJob(handle, run_dir, payload, self.python)
+            worker = TorchJob(handle, run_dir, payload, self.python, self.device)
         self.jobs[job] = worker
         await worker.launch(int(payload["dp"]))
         return handle
@@ -745,6 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared storage for run dirs (checkpoints, metrics); every node must see the same one")
     p.add_argument("--simulated-workers", action="store_true", help="play the training workers without torch")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated step time multiplier")
+    p.add_argument("--trainer-device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="device for real trainers; auto: cuda when NVML reports GPUs")
     p.add_argument("--virtual-nodes", help="JSON file [{node, token, gpus}]: run all as simulated nodes here")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -769,7 +775,8 @@ async def _main_async(args: argparse.Namespace) -> int:
         print("node: error: --token or --token-file is required", file=sys.stderr)
         return 2
     agent = NodeAgent(args.server, token, node=args.node, gpus=GpuInventory(args.simulate_gpus), runs_dir=runs_dir,
-                      simulated_workers=args.simulated_workers, time_scale=args.time_scale)
+                      simulated_workers=args.simulated_workers, time_scale=args.time_scale,
+                      device=args.trainer_device)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
