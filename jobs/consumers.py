@@ -76,6 +76,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=exc.code)
             return
         self.group = agent_group(self.node.id)
+        # One agent per node: an older socket for the same node is told to close (4409), so a
+        # command is never delivered to two live agents.
+        await self.channel_layer.group_send(self.group, {"type": "agent.replaced", "by": self.channel_name})
         await self.channel_layer.group_add(self.group, self.channel_name)
         from django.conf import settings
 
@@ -159,6 +162,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
         actions.record_agent_hello(self.node, workers)
         commands = actions.claim_commands_for_dispatch(self.node.id, include_sent=True)
         return [actions.command_frame(c) for c in commands]
+
+    async def agent_replaced(self, event: dict[str, Any]) -> None:
+        """A newer connection for this node arrived: this one steps aside."""
+        if event.get("by") != self.channel_name:
+            logger.warning("agent of %s replaced by a newer connection", self.node.name if self.node else "?")
+            await self.send_frame(error_frame("replaced", "a newer agent connection for this node took over"))
+            await self.close(code=protocol.CLOSE_REPLACED)
 
     async def agent_commands(self, event: dict[str, Any]) -> None:
         """Commands dispatched to this node's group (``jobs.tasks.dispatch_node_commands``)."""

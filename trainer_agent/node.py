@@ -443,6 +443,10 @@ class NodeAgent:
                         self.fatal = f"server refused the token (close code {code}: {exc.rcvd.reason})"
                         logger.error("%s", self.fatal)
                         return 3
+                    if code == protocol.CLOSE_REPLACED:
+                        self.fatal = "another agent connected for this node; this one stops"
+                        logger.error("%s", self.fatal)
+                        return 4
                     logger.info("connection closed (%s); reconnecting", code)
                 except (TimeoutError, OSError, InvalidStatus) as exc:
                     logger.info("cannot reach %s (%s); retrying in %.1fs", url, exc, backoff)

@@ -41,6 +41,20 @@ async def _conversation(url: str, token: str, sends: list[str]) -> list[dict]:
     return replies
 
 
+async def _replaced_code(url: str, token: str) -> int | None:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with connect(url, additional_headers=headers, open_timeout=10) as first:
+        assert json.loads(await asyncio.wait_for(first.recv(), timeout=10))["type"] == "welcome"
+        async with connect(url, additional_headers=headers, open_timeout=10) as second:
+            assert json.loads(await asyncio.wait_for(second.recv(), timeout=10))["type"] == "welcome"
+            try:
+                while True:
+                    await asyncio.wait_for(first.recv(), timeout=10)
+            except ConnectionClosed as exc:
+                return exc.rcvd.code if exc.rcvd else None
+    return None
+
+
 def _post(url: str, body: bytes, token: str | None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"}
     if token is not None:
@@ -96,6 +110,9 @@ def test_wrong_or_missing_tokens_and_bad_frames_are_refused_and_change_nothing(c
     log = (control_cluster.tmp / "daphne.log").read_text()
     assert "agent refused: no token" in log and "agent refused: unknown token" in log
     assert token not in log and "not-the-token" not in log
+
+    # A second agent for the same node takes over; the first is closed with 4409.
+    assert asyncio.run(_replaced_code(ws_url, token)) == protocol.CLOSE_REPLACED
 
     # The HTTP fallback with the right token is a heartbeat like any other.
     status, body = _post(control_cluster.url + protocol.HTTP_HEARTBEAT_PATH, heartbeat, token)
