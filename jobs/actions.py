@@ -131,7 +131,16 @@ def submit_job(
             "inputs": {"tp": tp, "pp": pp, "dp": dp, "dp_min": dp_min, "dp_max": dp_max},
         },
     )
+    _trigger_plan_with_broker("job_submitted")
     return job
+
+
+def _trigger_plan_with_broker(trigger: str) -> None:
+    """Ask for a planner pass after commit when a worker fleet serves the queue. Eager (embedded
+    and unit-test) runs leave it to the in-process loop's next tick instead of planning inline
+    inside a user's request."""
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        _trigger_plan(trigger)
 
 
 def _release_allocations(job: Job) -> list[str]:
@@ -153,6 +162,7 @@ def cancel_job(job: Job, actor) -> Job:
     if was_active:
         for node in Node.objects.filter(name__in=nodes):
             Command.objects.create(node=node, job=job, kind=CommandKind.STOP, payload={"job": job.name})
+    _trigger_plan_with_broker("job_cancelled")
     record_event(
         EventKind.CANCEL,
         job=job,
