@@ -162,6 +162,7 @@ def cancel_job(job: Job, actor) -> Job:
     if was_active:
         for node in Node.objects.filter(name__in=nodes):
             Command.objects.create(node=node, job=job, kind=CommandKind.STOP, payload={"job": job.name})
+        _dispatch_on_commit(set(Node.objects.filter(name__in=nodes).values_list("id", flat=True)))
     _trigger_plan_with_broker("job_cancelled")
     record_event(
         EventKind.CANCEL,
