@@ -12,7 +12,8 @@ and drops it afterwards. Phases, all in one process and one run:
    COPY, source bookkeeping, after-commit live emission): ``samples_per_s`` (time inside ingest
    calls; building the dicts is the sender's work, included in ``wall_samples_per_s``), and
    ``ratio`` = samples_per_s / copy_samples_per_s. Phases 1 and 2 alternate batch by batch.
-3. **soak**: ingestion paced at ``--soak-rate`` samples/s for ``--soak-s`` seconds, sampling the
+3. **soak**: ingestion paced at ``--soak-rate`` samples/s (that many GPUs at 1 Hz, 8 per node,
+   each node sending its last 125 s at once) for ``--soak-s`` seconds, sampling the
    process RSS each second (``rss_mb_*``, ``rss_growth_mb``); meanwhile a probe thread on its own
    connection measures **freshness**: from a batch being handed to ingestion to its newest
    sample being visible through ``telemetry.queries.latest_gpu_samples`` (``freshness_p95_s``).
@@ -220,7 +221,8 @@ class FreshnessProbe(threading.Thread):
                 break
             handed_s, node_id, newest_s = item
             while True:
-                latest = latest_gpu_samples(node_ids=[node_id], within_s=120.0)
+                # A wide window: if ingestion falls behind the soak rate, data lags the clock.
+                latest = latest_gpu_samples(node_ids=[node_id], within_s=3600.0)
                 seen = max((v["at"].timestamp() for v in latest.values()), default=0.0)
                 if seen >= newest_s - 1e-6:
                     self.delays_s.append(time.perf_counter() - handed_s)
@@ -232,12 +234,20 @@ class FreshnessProbe(threading.Thread):
         connection.close()
 
 
-def _soak(nodes: list, batch: int, seconds: float, rate: float, probe_every: int) -> dict:
-    """Real-time ingestion: each GPU's samples advance with the clock at ``rate`` in total."""
+def _soak(batch: int, seconds: float, rate: float, probe_every: int) -> dict:
+    """Real-time ingestion at ``rate`` samples/s from ``rate`` GPUs reporting at 1 Hz."""
+    # A cluster the size of the rate: every GPU reports at 1 Hz, each node sends its last
+    # ``batch / 8`` seconds at once, and the cluster cycles in ``batch / 8`` seconds.
+    from jobs.models import Node
     from telemetry.ingest import ingest_gpu_batch
 
-    maker = BatchMaker(nodes, batch, time.time() - 2, len(nodes) * GPUS_PER_NODE / rate, forward=True,
-                       source="live")
+    count = max(1, round(rate / GPUS_PER_NODE))
+    Node.objects.bulk_create(
+        Node(name=f"soak-n{i:05d}", rack=f"s{i // 256}", switch=f"s{i // 256}-{i // 32}", gpu_count=GPUS_PER_NODE)
+        for i in range(count)
+    )
+    nodes = list(Node.objects.filter(name__startswith="soak-n").order_by("pk"))
+    maker = BatchMaker(nodes, batch, time.time() - batch // GPUS_PER_NODE, 1.0, forward=True, source="live")
 
     probe = FreshnessProbe()
     probe.start()
@@ -444,7 +454,7 @@ def run(args: argparse.Namespace) -> dict:
     _truncate()  # the soak starts from an empty table; rollups then cover the soak's samples
     gc.collect()
     # 3. soak in real time at the target rate, with the freshness probe and RSS samples
-    soak = _soak(nodes, args.batch, args.soak_s, args.soak_rate, args.probe_every)
+    soak = _soak(args.batch, args.soak_s, args.soak_rate, args.probe_every)
     # 4. rollups and the 7-day query
     query = _query_phase(args.query_repeats, args.query_recent_s)
     copy_rate = samples / copy_s

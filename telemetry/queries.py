@@ -266,6 +266,7 @@ def _series(
     sources: dict[str, Source], watermark_prefix: str, plan: Plan, start: datetime, end: datetime,
     key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
     metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool = True,
+    traces_hint: int = 1,
 ) -> dict[tuple, _Trace]:
     """Read ``plan.level`` up to its watermark and finer levels after it, merged."""
     from telemetry.models import RollupWatermark
@@ -279,19 +280,25 @@ def _series(
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
         return _read_levels(sources, marks, watermark_prefix, plan, start, end, key_columns, filters, metrics,
-                            names, unique_per_bucket)
+                            names, unique_per_bucket, traces_hint)
 
 
 def _read_levels(
     sources: dict[str, Source], marks: dict[str, datetime], watermark_prefix: str, plan: Plan, start: datetime,
     end: datetime, key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
-    metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool,
+    metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool, traces_hint: int,
 ) -> dict[tuple, _Trace]:
-    """The levels from ``plan.level`` down to raw, each up to its watermark, merged."""
+    """The levels from ``plan.level`` down to raw, each up to its watermark, merged. A finer
+    tail is skipped when it alone would exceed the row budget (``traces_hint`` series, raw at
+    1 Hz)."""
     traces: dict[tuple, _Trace] = {}
     level: str | None = plan.level
     lower = start
     while level is not None and lower < end:
+        if level != plan.level:
+            row_interval_s = RAW_SAMPLE_INTERVAL_S if level == "raw" else LEVEL_RESOLUTION_S[level]
+            if traces_hint * (_epoch(end) - _epoch(lower)) / row_interval_s > ROW_BUDGET:
+                break  # a whole cluster's freshest tail: the chart ends at the coarser watermark
         if level == "raw":
             upper = end
         else:
@@ -374,7 +381,8 @@ def gpu_utilisation_series(
             filters.append(("node_id", sorted(set(node_ids))))
             filters.append(("gpu_index", list(range(sizes["most"] or 0))))
     plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
-    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, ["node_id", "gpu_index"], filters, GPU_METRICS, metrics)
+    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, ["node_id", "gpu_index"], filters, GPU_METRICS, metrics,
+                     traces_hint=gpu_count)
     names = dict(Node.objects.filter(pk__in={k[0] for k in traces}).values_list("pk", "name"))
     out: dict[str, dict] = {}
     for (node_id, gpu_index), trace in sorted(traces.items(), key=lambda kv: (names.get(kv[0][0], ""), kv[0][1])):
@@ -396,7 +404,8 @@ def cluster_utilisation(
     gpu_count = Node.objects.aggregate(n=Sum("gpu_count"))["n"] or 1
     plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
     names = ("util_pct", "util_max_pct")
-    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, [], [], GPU_METRICS, names, unique_per_bucket=False)
+    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, [], [], GPU_METRICS, names, unique_per_bucket=False,
+                     traces_hint=gpu_count)
     out = {"cluster": _trace_dict(trace, plan, names) for trace in traces.values()}  # noqa: B035 - 0 or 1
     return _result(plan, start, end, out)
 
