@@ -114,7 +114,7 @@ def seed_history(job, nodes, days: int, now: datetime) -> dict[str, int]:
     for table in ("telemetry_gpusample", "telemetry_gpuminute", "telemetry_gpuhour", "telemetry_steprecord",
                   "telemetry_stepminute", "telemetry_stephour"):
         ensure_partitions(table, start, now + timedelta(hours=1))
-    counts = {"gpu_minute": 0, "gpu_hour": 0, "gpu_raw": 0, "step_minute": 0}
+    counts = {"gpu_minute": 0, "gpu_hour": 0, "gpu_raw": 0, "step_minute": 0, "step_hour": 0}
     gpu_keys = [(node.pk, i) for node in nodes for i in range(node.gpu_count)]
     minutes = int((end - start).total_seconds() // 60)
     with transaction.atomic():
@@ -148,6 +148,11 @@ def seed_history(job, nodes, days: int, now: datetime) -> dict[str, int]:
                               2.3, 900 * records, 2400 * records, 600 * records if m % 120 < 60 else 0, 0))
         _insert("telemetry_stepminute", step_cols, step_rows)
         counts["step_minute"] = len(step_rows)
+        records = 30 * 64 * 60
+        step_hours = [(job.pk, adapt(h), records, 64, int((h - start).total_seconds() // 2), 2.0, 2.4,
+                       900 * records, 2400 * records, 300 * records, 0) for h in hours]
+        _insert("telemetry_stephour", step_cols, step_hours)
+        counts["step_hour"] = len(step_hours)
         raw_cols = ["node_id", "gpu_index", "at", "util_pct", "mem_used_bytes", "xid_errors"]
         raw = [(node_id, gpu, adapt(end - timedelta(seconds=s)), 80.0 + (s % 11), 60_000_000_000, 0)
                for s in range(0, 3600, 10) for node_id, gpu in gpu_keys]
@@ -221,7 +226,7 @@ async def _fanout(port: int, cookie: str, job_id: int, node_name: str, token: st
             response.read()
         return time.perf_counter()
 
-    all_ms, first_ms, accept_ms, missing = [], [], [], 0
+    all_ms, first_ms, spread_ms, accept_ms, missing = [], [], [], [], 0
     for _ in range(samples):
         at = round(time.time(), 3)
         started = time.perf_counter()
@@ -236,12 +241,14 @@ async def _fanout(port: int, cookie: str, job_id: int, node_name: str, token: st
         if got:
             all_ms.append((max(got) - started) * 1000)
             first_ms.append((min(got) - started) * 1000)
+            spread_ms.append((max(got) - min(got)) * 1000)
         await asyncio.sleep(spacing_s)
     for task in listeners:
         task.cancel()
     for ws in sockets:
         await ws.close()
-    return {"all_ms": all_ms, "first_ms": first_ms, "accept_ms": accept_ms, "missing": missing}
+    return {"all_ms": all_ms, "first_ms": first_ms, "spread_ms": spread_ms, "accept_ms": accept_ms,
+            "missing": missing}
 
 
 def _wait_for_port(port: int, timeout_s: float) -> None:
@@ -343,6 +350,8 @@ def run(args) -> dict[str, Any]:
             "fanout_ms_p50": round(_percentile(fan["all_ms"], 50), 1),
             "fanout_ms_p95": round(_percentile(fan["all_ms"], 95), 1),
             "fanout_first_client_ms_p50": round(_percentile(fan["first_ms"], 50), 1),
+            "fanout_first_to_last_ms_p50": round(_percentile(fan["spread_ms"], 50), 1),
+            "fanout_first_to_last_ms_p95": round(_percentile(fan["spread_ms"], 95), 1),
             "ingest_accept_ms_p50": round(_percentile(fan["accept_ms"], 50), 1),
             "fanout_missing_deliveries": fan["missing"],
             "fanout_mean_ms": round(statistics.fmean(fan["all_ms"]), 1) if fan["all_ms"] else None,

@@ -144,14 +144,6 @@ def _epochs_to_ms(values: Iterable[float]) -> list[float]:
     return [v * 1000.0 for v in values]
 
 
-# Tokens per step by modality: the rollups hold per-bucket sums, so the mean per record is
-# sum / records; written as a "mean" metric of telemetry.queries so its level choice and
-# fresh-tail merge apply unchanged.
-TOKEN_METRICS = {
-    f"tokens_{m}": (f"tokens_{m}", f"tokens_{m}_sum * 1.0 / NULLIF(records, 0)", "mean") for m in MODALITIES
-}
-
-
 def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
     """Step times, tokens per modality and per-GPU utilisation of ``job`` over a range."""
     series: dict[str, Any] = {"step": {"t": [], "step_s": [], "step_s_max": [], "step": []},
@@ -161,13 +153,17 @@ def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
     if queries is None:
         return series
     try:
+        token_metrics = tuple(f"tokens_{m}" for m in MODALITIES if f"tokens_{m}" in queries.STEP_METRICS)
         steps = queries.step_series(job.pk, start=since, end=until, max_points=MAX_POINTS_PER_TRACE,
-                                    metrics=("step", "step_s", "step_s_max"))
+                                    metrics=("step", "step_s", "step_s_max", *token_metrics))
         trace = steps["traces"].get("job")
         series["level"], series["bucket_s"] = steps["level"], steps["bucket_s"]
         if trace:
-            series["step"] = {"t": _epochs_to_ms(trace["t"]), "step_s": trace["step_s"],
-                              "step_s_max": trace["step_s_max"], "step": trace["step"]}
+            t = _epochs_to_ms(trace["t"])
+            series["step"] = {"t": t, "step_s": trace["step_s"], "step_s_max": trace["step_s_max"],
+                              "step": trace["step"]}
+            # Mean tokens per rank-step, by modality (telemetry.queries' tokens_<modality>).
+            series["tokens"] = {"t": t, **{m: trace.get(f"tokens_{m}") or [0] * len(t) for m in MODALITIES}}
         gpus = queries.gpu_utilisation_series(start=since, end=until, max_points=MAX_POINTS_PER_TRACE,
                                               job_id=job.pk, metrics=("util_pct",))
         series["gpus"] = {
@@ -177,24 +173,7 @@ def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
         }
     except Exception:
         logger.exception("telemetry series query failed for job %s", job.pk)
-    series["tokens"] = _token_series(queries, job, since, until)
     return series
-
-
-def _token_series(queries, job: Job, since: datetime, until: datetime) -> dict[str, list]:
-    empty: dict[str, list] = {"t": [], **{m: [] for m in MODALITIES}}
-    try:
-        plan = queries.choose_plan(since, until, MAX_POINTS_PER_TRACE)
-        traces = queries._series(queries.STEP_SOURCES, "step-", plan, since, until, [], [("job_id", [job.pk])],
-                                 TOKEN_METRICS, list(TOKEN_METRICS))
-        trace = next(iter(traces.values()), None)
-        if trace is None:
-            return empty
-        columns = queries._trace_dict(trace, plan, list(TOKEN_METRICS))
-    except Exception:  # a private helper of telemetry.queries changed: no tokens chart, no error page
-        logger.exception("telemetry token query failed for job %s", job.pk)
-        return empty
-    return {"t": _epochs_to_ms(columns["t"]), **{m: columns[f"tokens_{m}"] for m in MODALITIES}}
 
 
 def job_markers(job: Job, since: datetime) -> list[dict[str, Any]]:

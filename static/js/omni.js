@@ -436,6 +436,16 @@
       if (button === selected) showNode(button);
     }));
 
+    // The queue: a job that stops waiting is struck through until the next load.
+    live.on("job", (payloads) => payloads.forEach((job) => {
+      const row = $("#queue tr[data-job-id='" + job.id + "']");
+      if (!row) return;
+      row.cells[2].replaceChildren(statePill(job.state, job.state_label));
+      if (job.pending_reason) row.cells[5].textContent = job.pending_reason;
+      row.style.opacity = ["pending", "preempted"].includes(job.state) ? "" : "0.45";
+      flash(row);
+    }));
+
     function drawCharts() {
       const gantt = data.gantt;
       const names = gantt.map((r) => r.name + " · " + r.gpus + " GPUs");

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -253,9 +254,6 @@ def test_job_page_draws_points_written_by_the_test_within_2_s(open_as, asgi_serv
     started = time.monotonic()
     page.wait_for_function("document.getElementById('chart-gpu').data.some(t => t.x.length >= 1)", timeout=2000)
     assert time.monotonic() - started < 2.0
-    # telemetry.ingest throttles per group (OMNI_TELEMETRY_LIVE_INTERVAL_S, 0.5 s on this server):
-    # step records sent inside that interval would wait for the group's next message.
-    time.sleep(0.6)
     post_json(f"{asgi_server}/api/telemetry/steps", {"source": "browser-test-steps", "seq": 1, "samples": [
         {"job": job.pk, "rank": r, "step": 41, "at": time.time() - 0.5, "step_s": 1.9 + 0.1 * r,
          "tokens": {"text": 900, "image": 2400}} for r in range(2)
@@ -353,12 +351,17 @@ def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, djang
     """Not an assertion-heavy test: a believable cluster, pictures of every page, light and dark."""
     from django.core.management import call_command
 
+    from bench.live import seed_history
     from telemetry.ingest import ingest_gpu_batch, ingest_step_batch
 
     def seed() -> tuple[Job, Job]:
         call_command("seed_demo", stdout=io.StringIO())
         now = time.time()
-        for job in Job.objects.filter(state="running"):
+        # omni-7b (32 GPUs) gets two days of rollups: its page draws the heat strip.
+        big = Job.objects.get(name="omni-7b")
+        seed_history(big, list(Node.objects.filter(allocations__job=big).distinct()), 2,
+                     datetime.fromtimestamp(now, tz=UTC))
+        for job in Job.objects.filter(state="running").exclude(pk=big.pk):
             held = {}
             for allocation in job.allocations.select_related("node"):
                 held.setdefault(allocation.node, []).append(allocation.gpu_index)
@@ -386,9 +389,9 @@ def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, djang
                          reason={"rule": "no_capacity", "text": "Waiting for 8 GPUs: the free ones are reserved for "
                                  "omni-7b, whose window opens in 12 min; best-effort jobs hold none that could be reclaimed.",
                                  "inputs": {"wants": 8, "free": 0}})
-        return job, pending
+        return job, pending, big
 
-    job, pending = in_thread(seed)
+    job, pending, big = in_thread(seed)
     users = {u.username: u for u in django_user_model.objects.filter(username__in=["alice", "olga", "audrey"])}
     page = open_as(users["alice"], "omni-demo-pass")
     shot(page, "dashboard-researcher")
@@ -397,6 +400,9 @@ def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, djang
     shot(page, "job-page")
     page = open_as(users["olga"], "omni-demo-pass")
     shot(page, "dashboard-operator")
+    page.goto(f"{asgi_server}/jobs/{big.pk}/?range=7d")
+    page.wait_for_function("document.getElementById('chart-gpu').data[0].type === 'heatmap'")
+    shot(page, "job-page-32-gpus-7d")
     page.goto(f"{asgi_server}/jobs/{pending.pk}/")
     assert "the free ones are reserved for omni-7b" in page.locator("#why-pending").inner_text()
     shot(page, "job-pending")
