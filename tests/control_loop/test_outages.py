@@ -112,3 +112,35 @@ def test_worker_killed_mid_pass_and_redis_restart_lose_nothing_and_apply_nothing
     assert applied and max(collections.Counter(applied).values()) == 1
     assert set(applied) == {str(c) for c in Command.objects.values_list("id", flat=True)}
     assert agents.popen.poll() is None
+
+
+def test_workers_keep_running_while_the_server_is_away_and_their_records_arrive_after(control_cluster, boss):
+    from jobs import actions
+    from jobs.models import Command, ElasticEvent, EventKind, Job
+    from telemetry.models import StepRecord
+
+    # Longer heartbeats so a few seconds without the server are not a node failure.
+    control_cluster.env["OMNI_HEARTBEAT_INTERVAL_S"] = "3"
+    _, token = make_node("n1", 2)
+    actions.submit_job(boss, name="be", priority="best_effort", dp=1, global_batch=16, micro_batch=2,
+                       total_steps=100000, step_s=0.8, checkpoint_every_steps=5, checkpoint_save_s=0.5,
+                       checkpoint_load_s=0.5)
+    server = control_cluster.start_server()
+    control_cluster.start_worker()
+    control_cluster.start_agent("n1", token, gpus=2, simulated=True, extra=["--time-scale", "0.25"])
+    wait_for(lambda: Job.objects.get(name="be").committed_steps >= 3, 60, "steps from the simulated worker")
+
+    server.kill()
+    server.popen.wait(timeout=10)
+    away_from = Job.objects.get(name="be").committed_steps
+    time.sleep(4)
+    control_cluster.start_server()
+    wait_for(lambda: Job.objects.get(name="be").committed_steps >= away_from + 15, 30,
+             "the steps made while the server was away")
+    job = Job.objects.get(name="be")
+    assert job.state == "running"
+    assert not ElasticEvent.objects.filter(kind__in=[EventKind.NODE_FAILED, EventKind.RECOVER]).exists()
+    assert Command.objects.filter(job=job).count() == 1  # the one start; nothing re-planned
+    steps = set(StepRecord.objects.filter(job=job).values_list("step", flat=True))
+    missing = [s for s in range(1, job.committed_steps - 5) if s not in steps]
+    assert not missing, f"step records lost while the server was away: {missing[:10]}"
