@@ -137,3 +137,18 @@ def test_rollup_read_at_its_own_resolution_gives_one_point_per_bucket(node):
     assert trace["samples"] == [60, 60, 60]
     assert trace["util_pct"] == [0.0, 10.0, 20.0]
     assert trace["t"] == [start.timestamp() + 60 * i for i in range(3)]
+
+
+@pytest.mark.django_db
+def test_cluster_chart_skips_a_raw_tail_too_large_for_the_row_budget(node):
+    from jobs.models import Node
+
+    now = datetime.now(UTC)
+    ingest_gpu_batch(node, {"source": "q", "seq": 0, "samples": [
+        {"gpu": 0, "at": now.timestamp() - 30, "util_pct": 50.0, "mem_used_bytes": 1}]})
+    start = now - timedelta(minutes=10)
+    small = queries.cluster_utilisation(start=start, end=now, max_points=10)
+    assert sum(small["traces"]["cluster"]["samples"]) == 1  # 8 GPUs: the raw tail is cheap, read
+    Node.objects.create(name="huge", rack="r9", switch="r9s0", gpu_count=30_000)
+    big = queries.cluster_utilisation(start=start, end=now, max_points=10)
+    assert big["traces"] == {}  # 30,008 GPUs: even the 1-minute tail would exceed the budget, skipped
