@@ -10,6 +10,7 @@ its window, and resume from their checkpoints once the GPUs are free again. docs
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ from jobs.management.commands.seed_demo import DEMO_PASSWORD, DEMO_USERS
 from jobs.models import Node, NodeState
 
 ROOT = Path(settings.BASE_DIR)
+SEPARATE_SIMULATED_AGENTS = 6
 
 
 def _answers(host: str, port: int) -> bool:
@@ -101,9 +103,22 @@ class Director:
                 return
         nodes = self._tokens()
         torch_names = {name for name, _, _ in nodes[: self.torch_nodes]}
-        # One process per node (simulated ones are light), so any one of them can die alone.
-        for name, token, gpus in nodes:
-            self._spawn(f"agent-{name}", self._agent_argv(name, token, gpus, simulated=name not in torch_names))
+        # One process per node for the first few (so any one of them can die alone); a larger
+        # seeded cluster's remaining nodes share one process of virtual nodes.
+        virtual = []
+        for index, (name, token, gpus) in enumerate(nodes):
+            if index < len(torch_names) + SEPARATE_SIMULATED_AGENTS:
+                self._spawn(f"agent-{name}", self._agent_argv(name, token, gpus, simulated=name not in torch_names))
+            else:
+                virtual.append({"node": name, "token": token, "gpus": gpus})
+        if virtual:
+            spec = self.dir / "virtual-nodes.json"
+            spec.write_text(json.dumps(virtual))
+            spec.chmod(0o600)
+            self._spawn("agents-virtual", [
+                sys.executable, "-m", "trainer_agent.node", "--server", f"http://{self.host}:{self.port}",
+                "--virtual-nodes", str(spec), "--runs-dir", str(self.dir / "runs"), "--time-scale", "0.5",
+            ])
         kinds = f"{len(torch_names)} with real torch workers, {len(nodes) - len(torch_names)} simulated"
         self.say(f"started agents for {len(nodes)} nodes ({kinds}); logs in {self.dir}")
         if self.fail_after_s <= 0 or self._stop.wait(self.fail_after_s):
