@@ -1,7 +1,7 @@
 """Ingestion of telemetry batches: validate whole, de-duplicate, write in bulk, then emit.
 
-One path for every sender: the HTTP endpoints (telemetry.api), the agent WebSocket consumer
-(jobs.consumers, through ``database_sync_to_async``) and the dcgm-exporter importer all call
+One path for every sender: the HTTP endpoints (telemetry.api), the agent protocol handlers
+behind the WebSocket (jobs.agent_api, off the event loop) and the dcgm-exporter importer all call
 ``ingest_gpu_batch(node, batch)`` / ``ingest_step_batch(node, batch)`` with the same shape::
 
     {"source": "agent-r0s0n0-5f2c", "seq": 41, "samples": [{...}, ...]}
@@ -293,8 +293,8 @@ def _duplicates(keys: Sequence[np.ndarray], ok: np.ndarray, errors: _Errors, fie
 
 
 @dataclass
-class GpuRows:
-    """Validated GPU samples as columns, ready for COPY."""
+class SampleRows:
+    """Validated samples (GPU readings or step records) as columns, ready for COPY."""
 
     values: dict[str, np.ndarray]
     nulls: dict[str, np.ndarray]
@@ -304,7 +304,7 @@ class GpuRows:
         return len(self.epoch_s)
 
 
-def validate_gpu_samples(node: Node, samples: list, errors: _Errors, now_s: float) -> GpuRows:
+def validate_gpu_samples(node: Node, samples: list, errors: _Errors, now_s: float) -> SampleRows:
     """Vectorised checks of GPU samples for ``node``; problems go to ``errors``."""
     ok = _objects(samples, GPU_FIELDS, errors)
     gpu, _ = _numbers(_column(samples, ok, "gpu"), ok, "gpu", errors, integer=True, required=True)
@@ -340,10 +340,10 @@ def validate_gpu_samples(node: Node, samples: list, errors: _Errors, now_s: floa
         "temp_c": temp.astype(np.float32),
         "xid_errors": np.nan_to_num(xid).astype(np.int32),
     }
-    return GpuRows(values, {"power_w": power_nulls, "temp_c": temp_nulls}, epoch_s)
+    return SampleRows(values, {"power_w": power_nulls, "temp_c": temp_nulls}, epoch_s)
 
 
-def validate_step_samples(node: Node, samples: list, errors: _Errors, now_s: float) -> GpuRows:
+def validate_step_samples(node: Node, samples: list, errors: _Errors, now_s: float) -> SampleRows:
     """Checks of step records reported by ``node`` (fewer than GPU samples; plainer code)."""
     ok = _objects(samples, STEP_FIELDS, errors)
     job, _ = _numbers(_column(samples, ok, "job"), ok, "job", errors, integer=True, required=True)
@@ -396,7 +396,7 @@ def validate_step_samples(node: Node, samples: list, errors: _Errors, now_s: flo
         at=timestamptz_from_epoch_s(np.nan_to_num(epoch_s)),
         node_id=np.full(n, node.pk, dtype=np.int64),
     )
-    return GpuRows(values, nulls, epoch_s)
+    return SampleRows(values, nulls, epoch_s)
 
 
 # -- de-duplication ----------------------------------------------------------------------------
@@ -426,7 +426,7 @@ def accept_sequence(high_seq: int, window: int, seq: int) -> tuple[bool, int, in
 # -- storage -----------------------------------------------------------------------------------
 
 
-def _copy(table: str, columns: Sequence[tuple[str, str]], rows: GpuRows, *, on_conflict_skip: bool) -> None:
+def _copy(table: str, columns: Sequence[tuple[str, str]], rows: SampleRows, *, on_conflict_skip: bool) -> None:
     """One binary COPY into ``table`` (through a staging table when duplicates must be skipped)."""
     payload = binary_payload(columns, rows.values, rows.nulls)
     names = ", ".join(name for name, _ in columns)
@@ -442,7 +442,7 @@ def _copy(table: str, columns: Sequence[tuple[str, str]], rows: GpuRows, *, on_c
         cursor.execute(f"INSERT INTO {table} ({names}) SELECT {names} FROM {table}_stage ON CONFLICT DO NOTHING")
 
 
-def _bulk_create(model: type, columns: Sequence[tuple[str, str]], rows: GpuRows) -> None:
+def _bulk_create(model: type, columns: Sequence[tuple[str, str]], rows: SampleRows) -> None:
     """SQLite: the same rows through the ORM (INSERT OR IGNORE for rows already there)."""
     objects = []
     epoch = rows.epoch_s.tolist()
@@ -532,7 +532,7 @@ def _advance_source(
     return _Advance(source_id, is_new, high_seq, window, recorded=False)
 
 
-def _store(kind: str, node: Node, source_name: str, seq: int, rows: GpuRows, now: datetime,
+def _store(kind: str, node: Node, source_name: str, seq: int, rows: SampleRows, now: datetime,
            *, on_conflict_skip: bool) -> IngestResult:
     table, columns, model = (
         ("telemetry_gpusample", GPU_COLUMNS, GpuSample) if kind == BatchKind.GPU
@@ -587,7 +587,7 @@ def forget_sources() -> None:
     _committed_sources.clear()
 
 
-def _ingest(kind: str, node: Node, batch: Any, validate: Callable[..., GpuRows]) -> IngestResult:
+def _ingest(kind: str, node: Node, batch: Any, validate: Callable[..., SampleRows]) -> IngestResult:
     now = timezone.now()
     errors = _Errors()
     source, seq, samples = _envelope(batch, errors)
@@ -630,10 +630,10 @@ class LiveThrottle:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, list[GpuRows]] = {}
+        self._pending: dict[str, list[SampleRows]] = {}
         self._sent_at: dict[str, float] = {}
 
-    def offer(self, key: str, rows: GpuRows, interval_s: float) -> list[GpuRows] | None:
+    def offer(self, key: str, rows: SampleRows, interval_s: float) -> list[SampleRows] | None:
         """Add ``rows``; return everything pending for ``key`` when it may send now."""
         with self._lock:
             pending = self._pending.setdefault(key, [])
@@ -728,7 +728,7 @@ def forget_allocations() -> None:
     _allocations = (-math.inf, {})
 
 
-def _after_commit(kind: str, node: Node, rows: GpuRows, lag_s: float) -> None:
+def _after_commit(kind: str, node: Node, rows: SampleRows, lag_s: float) -> None:
     metrics.count("omni_telemetry_batches_total", f"{kind},stored")
     metrics.samples_stored(kind, len(rows))
     metrics.count("omni_telemetry_lag_seconds_sum", kind, lag_s)
@@ -759,7 +759,7 @@ def _after_commit(kind: str, node: Node, rows: GpuRows, lag_s: float) -> None:
     live_sender.send(frames)
 
 
-def _columns(chunks: list[GpuRows], names: Sequence[str]) -> tuple[dict[str, list], dict[str, list], list[float]]:
+def _columns(chunks: list[SampleRows], names: Sequence[str]) -> tuple[dict[str, list], dict[str, list], list[float]]:
     """The newest MAX_LIVE_POINTS rows of ``chunks`` as Python lists per column."""
     def joined(arrays: list[np.ndarray]) -> list:
         return np.concatenate(arrays)[-MAX_LIVE_POINTS:].tolist()
@@ -769,7 +769,7 @@ def _columns(chunks: list[GpuRows], names: Sequence[str]) -> tuple[dict[str, lis
     return values, nulls, joined([c.epoch_s for c in chunks])
 
 
-def _gpu_points(chunks: list[GpuRows]) -> list[dict[str, Any]]:
+def _gpu_points(chunks: list[SampleRows]) -> list[dict[str, Any]]:
     values, nulls, at = _columns(chunks, ("gpu_index", "util_pct", "mem_used_bytes", "power_w", "temp_c", "xid_errors"))
     return [
         {"gpu": g, "at": t, "util_pct": u, "mem_used_bytes": m, "power_w": None if pn else p,
@@ -784,7 +784,7 @@ def _gpu_points(chunks: list[GpuRows]) -> list[dict[str, Any]]:
 STEP_POINT_FIELDS = ("step_s", "data_wait_s", "compute_s", "comm_s", "loss")
 
 
-def _step_points(chunks: list[GpuRows]) -> list[dict[str, Any]]:
+def _step_points(chunks: list[SampleRows]) -> list[dict[str, Any]]:
     tokens = tuple(f"tokens_{m}" for m in TOKEN_MODALITIES)
     values, nulls, at = _columns(chunks, ("job_id", "rank", "step", *STEP_POINT_FIELDS, *tokens))
     out = []

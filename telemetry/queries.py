@@ -452,11 +452,10 @@ def latest_gpu_samples(
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
-    convert = connection.ops.convert_datetimefield_value if not _postgres() else None
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for node_id, gpu_index, at, util, mem, power, temp, xid in rows:
-        if convert is not None:
-            at = _sqlite_datetime(at)
+        if not _postgres():
+            at = _sqlite_datetime(at)  # raw SQL on SQLite returns the stored text
         out[(node_id, gpu_index)] = {
             "at": at, "util_pct": util, "mem_used_bytes": mem, "power_w": power, "temp_c": temp,
             "xid_errors": xid,
