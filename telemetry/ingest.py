@@ -731,7 +731,6 @@ def forget_allocations() -> None:
 def _after_commit(kind: str, node: Node, rows: SampleRows, lag_s: float) -> None:
     metrics.count("omni_telemetry_batches_total", f"{kind},stored")
     metrics.samples_stored(kind, len(rows))
-    metrics.count("omni_telemetry_lag_seconds_sum", kind, lag_s)
     due = throttle.offer(f"{kind}:{node.pk}", rows, settings.OMNI_TELEMETRY_LIVE_INTERVAL_S)
     if not due:
         return
