@@ -25,15 +25,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+# Before torch loads OpenMP: spinning threads make an oversubscribed machine 100x slower
+# (the launcher sets the same for its workers).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from trainer_agent.balancing import plan_step
-from trainer_agent.checkpoint import AsyncCheckpointWriter, CheckpointStore
-from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime
-from trainer_agent.train import free_port
-from trainer_agent.worker import (
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from trainer_agent.balancing import plan_step  # noqa: E402
+from trainer_agent.checkpoint import AsyncCheckpointWriter, CheckpointStore  # noqa: E402
+from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime  # noqa: E402
+from trainer_agent.train import free_port  # noqa: E402
+from trainer_agent.worker import (  # noqa: E402
     StepBatch,
     WorkerConfig,
     _CommHookState,
@@ -43,7 +47,7 @@ from trainer_agent.worker import (
     global_batch_specs,
     report_tokens,
 )
-from trainer_agent.workload import MODEL_PRESETS, MultimodalLM, collate, render_sample
+from trainer_agent.workload import MODEL_PRESETS, MultimodalLM, collate, render_sample  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

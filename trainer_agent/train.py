@@ -33,6 +33,7 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one clear line (what operators and agents parse)."""
 
     def error(self, message: str) -> NoReturn:
+        """Exit 2 with ``train: error: MESSAGE`` instead of usage plus message."""
         fail(message, code=2)
 
 
@@ -84,6 +85,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     saved_batch = manifest.get("batch", {})
 
     def pick(name: str, given: int | None, saved: int | None, default: int, must_match: bool) -> int:
+        """The argument if given, else the checkpoint's value, else the default; refuse a forbidden change."""
         if given is not None and saved is not None and given != saved and must_match:
             fail(f"--{name.replace('_', '-')} {given} differs from the checkpoint's {saved}; keep it (only --dp and --micro-batch may change on resume)")
         return given if given is not None else saved if saved is not None else default

@@ -379,6 +379,7 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
     writer = AsyncCheckpointWriter(store) if config.async_save and rank == 0 else None
 
     def save(step: int) -> dict[str, Any]:
+        """Checkpoint after ``step`` (collective: every rank contributes its RNG state; rank 0 writes)."""
         rng_states: list[Any] = [None] * world_size
         dist.all_gather_object(rng_states, capture_rng_state())
         if rank != 0:
