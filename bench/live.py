@@ -6,6 +6,8 @@
 * **page**: a job holding 64 GPUs (8 nodes x 8) with a week of telemetry history (1-minute
   rollups for 7 days, hourly rollups, raw samples for the last hour), rendered with
   ``?range=7d`` through Django's full request path in this process (server time, no network);
+* **draw**: with Chromium installed, navigation start to the 7-day heat strip drawn
+  (``browser_draw_ms_p50``, Plotly.js cached);
 * **fan-out**: 200 WebSocket clients signed in and subscribed to the job on a real ASGI server
   (``manage.py serve`` on 127.0.0.1); one GPU sample at a time is POSTed to the real ingestion
   endpoint (``/api/telemetry/gpu``, agent token); the figure is the time from the POST until
@@ -251,6 +253,41 @@ async def _fanout(port: int, cookie: str, job_id: int, node_name: str, token: st
             "missing": missing}
 
 
+def measure_browser_draw(port: int, cookie: str, job_id: int, rounds: int = 3) -> list[float] | None:
+    """Navigation start to the 7-day charts drawn, in Chromium (None when it is not installed or
+    the server does not serve /static/, as in production mode)."""
+    chromium = "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        return None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    try:  # production mode leaves /static/ to a web server: nothing to draw with here
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/static/js/omni.js", timeout=10).read()
+    except OSError:
+        return None
+    name, _, value = cookie.partition("=")
+    times = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        context.add_cookies([{"name": name, "value": value, "url": f"http://127.0.0.1:{port}"}])
+        page = context.new_page()
+        for _ in range(rounds + 1):
+            page.goto(f"http://127.0.0.1:{port}/jobs/{job_id}/?range=7d", wait_until="commit")
+            page.wait_for_function(
+                "document.getElementById('chart-gpu') && document.getElementById('chart-gpu')._fullLayout"
+                " && document.querySelector('#chart-gpu .heatmaplayer image, #chart-gpu .heatmaplayer .hm')",
+                timeout=30_000,
+            )
+            times.append(page.evaluate("performance.now()"))
+        browser.close()
+    return times[1:]  # the first load also fetches and compiles Plotly.js
+
+
 def _wait_for_port(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -332,6 +369,7 @@ def run(args) -> dict[str, Any]:
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         _wait_for_port(port, 60)
+        draw = measure_browser_draw(port, cookie, job.pk) if args.browser else None
         spacing_s = max(settings.OMNI_TELEMETRY_LIVE_INTERVAL_S, 0.25) + 0.1
         fan = asyncio.run(_fanout(port, cookie, job.pk, node.name, token, args.clients, args.samples, spacing_s))
         return {
@@ -345,6 +383,7 @@ def run(args) -> dict[str, Any]:
             "page_ms_p95": round(_percentile(page_7d, 95), 1),
             "page_6h_ms_p95": round(_percentile(page_6h, 95), 1),
             "page_rounds": args.rounds,
+            "browser_draw_ms_p50": round(_percentile(draw, 50), 1) if draw else None,
             "clients": args.clients,
             "samples": args.samples,
             "fanout_ms_p50": round(_percentile(fan["all_ms"], 50), 1),
@@ -379,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20, help="page loads measured")
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--samples", type=int, default=30, help="samples fanned out")
+    parser.add_argument("--browser", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time Chromium drawing the 7-day page (when /usr/bin/chromium exists)")
     args = parser.parse_args(argv)
     result = run(args)
     if args.json:
