@@ -236,10 +236,8 @@ class SimulatedJob:
         self.killed = False
 
     def newest_checkpoint(self) -> int:
-        try:
-            return int(json.loads((self.run_dir / SIM_CHECKPOINT).read_text())["step"])
-        except (OSError, ValueError, KeyError):
-            return 0
+        # A real trainer's checkpoints count too: a job may move between real and simulated nodes.
+        return _newest_checkpoint_on_disk(self.run_dir)
 
     def _save(self, step: int) -> float:
         started = time.perf_counter()
@@ -612,7 +610,9 @@ class NodeAgent:
         handle = WorkerHandle(job=job, gpus=list(payload.get("gpus", [])), leader=True)
         run_dir = self.runs_dir / _safe(job)
         worker: TorchJob | SimulatedJob
-        if self.simulated_workers:
+        if self.simulated_workers or _has_only_simulated_history(run_dir):
+            # A job that so far ran on simulated nodes has no state a real trainer could load:
+            # it stays simulated here too rather than silently restarting from step 0.
             worker = SimulatedJob(handle, run_dir, payload, self.time_scale)
         else:
             worker = TorchJob(handle, run_dir, payload, self.python, self.device)
@@ -730,6 +730,12 @@ def _newest_checkpoint_on_disk(run_dir: Path) -> int:
                 except ValueError:
                     continue
     return best
+
+
+def _has_only_simulated_history(run_dir: Path) -> bool:
+    directory = run_dir / "checkpoints"
+    real = directory.is_dir() and any((e / "manifest.json").exists() for e in directory.iterdir())
+    return (run_dir / SIM_CHECKPOINT).exists() and not real
 
 
 def _tail(path: Path, limit: int = 600) -> str:
