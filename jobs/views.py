@@ -21,7 +21,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Count, Prefetch, Q
+from django.db.models import Case, Count, Prefetch, Q, Value, When
 from django.http import (
     FileResponse,
     Http404,
@@ -64,10 +64,17 @@ from jobs.models import (
     NodeState,
     PlannerControl,
     PlannerRun,
+    Priority,
     Reservation,
 )
 
 AUDIT_PAGE_SIZE = 100
+# Classes in the order people think of them (the stored values sort alphabetically).
+CLASS_ORDER = Case(
+    When(priority=Priority.CRITICAL, then=Value(0)),
+    When(priority=Priority.REGULAR, then=Value(1)),
+    default=Value(2),
+)
 EXPORT_CHUNK_ROWS = 2000
 CHAIN_VERIFY_BUDGET_ROWS = 200_000
 CHAIN_CACHE_KEY = "omni:audit-chain-verified"
@@ -124,7 +131,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         ),
         user,
         default_mine,
-    ).order_by("priority", "-submitted_at")
+    ).order_by(CLASS_ORDER, "-submitted_at")
     jobs = list(jobs_qs[:200])
     ids = [job.pk for job in jobs]
     rhythm = measured_step_s(ids)
@@ -274,7 +281,7 @@ def console(request: HttpRequest) -> HttpResponse:
     nodes = list(Node.objects.prefetch_related(Prefetch("allocations", allocations)).order_by("rack", "switch", "name"))
     queue = list(
         Job.objects.filter(state__in=(JobState.PENDING, JobState.PREEMPTED)).select_related("owner")
-        .order_by("priority", "submitted_at")[:200]
+        .order_by(CLASS_ORDER, "submitted_at")[:200]
     )
     holds = last_holds(job.pk for job in queue)
     reservations = list(

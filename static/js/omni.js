@@ -174,6 +174,9 @@
     }, extra || {});
   }
   const PLOT_CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
+  const NO_DATA = {text: "No samples in this range yet", xref: "paper", yref: "paper", x: 0.5, y: 0.5,
+    showarrow: false, font: {size: 13, color: "#8a95a3"}, name: "no-data"};
+  function hasPoints(traces) { return traces.some((t) => (t.x && t.x.length) || (t.z && t.z.length)); }
   function markerShapes(markers) {
     return markers.map((m) => ({
       type: "line", xref: "x", yref: "paper", x0: m.t, x1: m.t, y0: 0, y1: 1,
@@ -254,6 +257,11 @@
     // Every chart spans the chosen range and grows to the newest live point.
     let rangeEnd = data.until;
     const xaxis = () => Object.assign(baseLayout().xaxis, {range: [data.since, rangeEnd]});
+    function clearNoData(id) {
+      const div = document.getElementById(id);
+      const notes = (div.layout.annotations || []).filter((a) => a.name !== "no-data");
+      if (notes.length !== (div.layout.annotations || []).length) Plotly.relayout(id, {annotations: notes});
+    }
     function growRange(newest) {
       if (!newest || new Date(newest) <= new Date(rangeEnd)) return;
       rangeEnd = newest;
@@ -261,10 +269,12 @@
     }
     function drawAll() {
       const shapes = markerShapes(markers), annotations = markerAnnotations(markers);
-      Plotly.react("chart-step", [
+      const stepTraces = [
         {x: series.step.t, y: series.step.step_s, name: "step time (mean over ranks)", mode: "lines+markers", marker: {size: 3}, line: {color: cssVar("--accent"), width: 1.6}},
         {x: series.step.t, y: series.step.step_s_max, name: "slowest rank", mode: "lines", line: {color: cssVar("--suspect"), width: 1, dash: "dot"}},
-      ], baseLayout({title: {text: "Step time (s)", font: {size: 13}, x: 0, y: 0.98}, shapes, annotations, xaxis: xaxis(),
+      ];
+      Plotly.react("chart-step", stepTraces, baseLayout({title: {text: "Step time (s)", font: {size: 13}, x: 0, y: 0.98}, shapes, xaxis: xaxis(),
+        annotations: annotations.concat(hasPoints(stepTraces) ? [] : [NO_DATA]),
         yaxis: Object.assign(baseLayout().yaxis, {title: {text: "s / step"}})}), PLOT_CONFIG);
       let gpuTraces;
       if (heat) {
@@ -284,11 +294,14 @@
         });
       }
       Plotly.react("chart-gpu", gpuTraces, baseLayout({title: {text: "GPU utilisation (%)" + (heat ? " · one row per GPU" : ""), font: {size: 13}, x: 0, y: 0.98}, xaxis: xaxis(),
+        annotations: hasPoints(gpuTraces) ? [] : [NO_DATA],
         shapes, showlegend: !heat && gpuNames.length <= 8, hovermode: heat ? "closest" : "x unified",
         yaxis: heat ? {automargin: true, tickfont: {size: 9}} : Object.assign(baseLayout().yaxis, {range: [0, 105], title: {text: "%"}})}), PLOT_CONFIG);
-      Plotly.react("chart-tokens", modalities.map((m) => ({
+      const tokenTraces = modalities.map((m) => ({
         x: series.tokens.t, y: series.tokens[m], name: m, stackgroup: "tokens", mode: "lines", line: {width: 0.5, color: modalityColours[m]},
-      })), baseLayout({title: {text: "Tokens per step, by modality", font: {size: 13}, x: 0, y: 0.98}, shapes, xaxis: xaxis(),
+      }));
+      Plotly.react("chart-tokens", tokenTraces, baseLayout({title: {text: "Tokens per step, by modality", font: {size: 13}, x: 0, y: 0.98}, shapes, xaxis: xaxis(),
+        annotations: hasPoints(tokenTraces) ? [] : [NO_DATA],
         yaxis: Object.assign(baseLayout().yaxis, {title: {text: "tokens"}})}), PLOT_CONFIG);
     }
     drawAll();
@@ -325,6 +338,8 @@
       const last = points[points.length - 1];
       if (last.step !== undefined) $("#job-steps").textContent = last.step;
       growRange(xs[xs.length - 1]);
+      clearNoData("chart-step");
+      clearNoData("chart-tokens");
       bump(points.length);
     }
     function appendGpus(samples) {
@@ -349,6 +364,7 @@
       else Plotly.extendTraces("chart-gpu", {x: indices.map((i) => perTrace[i].x), y: indices.map((i) => perTrace[i].y)}, indices, MAX_POINTS);
       bump(indices.reduce((n, i) => n + perTrace[i].x.length, 0));
       growRange(Math.max(...indices.map((i) => perTrace[i].x[perTrace[i].x.length - 1])));
+      clearNoData("chart-gpu");
     }
     live.subscribe("job", data.job_id);
     ["step_records", "steps"].forEach((name) => live.on(name, (payloads) => appendSteps(payloads.flatMap(asRecords))));
@@ -366,7 +382,8 @@
       log.prepend(li);
       markers.push({t: e.at, kind: e.kind, label: e.kind_label, text: e.text});
       const shapes = markerShapes(markers);
-      Plotly.relayout("chart-step", {shapes, annotations: markerAnnotations(markers)});
+      const stepDiv = document.getElementById("chart-step");
+      Plotly.relayout(stepDiv, {shapes, annotations: markerAnnotations(markers).concat(hasPoints(stepDiv.data) ? [] : [NO_DATA])});
       Plotly.relayout("chart-gpu", {shapes});
       Plotly.relayout("chart-tokens", {shapes});
       $("#job-state").replaceChildren(statePill(job.state, job.state_label));
