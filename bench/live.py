@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (NaN for no values)."""
     ordered = sorted(values)
     if not ordered:
         return float("nan")
@@ -336,6 +337,7 @@ def _prepare_environment(args) -> tuple[dict[str, str], Any]:
 
 
 def run(args) -> dict[str, Any]:
+    """Seed, measure the page, start the server, measure drawing and fan-out; always clean up."""
     env, cleanup = _prepare_environment(args)
     server = None
     try:
@@ -410,6 +412,7 @@ def run(args) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m bench.live --json``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--database-url", help="PostgreSQL server to create a throw-away database on")
