@@ -222,7 +222,8 @@ def uncordon_node(node: Node, actor) -> Node:
 def drain_node(node: Node, actor) -> Node:
     """No new work; the planner moves what runs there off gracefully (checkpoint first)."""
     require_operator(actor, "drain nodes")
-    held = Allocation.objects.filter(node=node).values_list("job__name", flat=True).distinct()
+    # A set, not .distinct(): Allocation's default ordering would make each GPU a distinct row.
+    held = set(Allocation.objects.filter(node=node).values_list("job__name", flat=True))
     jobs_text = ", ".join(sorted(held)) or "nothing"
     return _node_action(
         node, actor, NodeState.DRAINING, EventKind.DRAIN,
@@ -993,6 +994,13 @@ def _apply_outcome(node: Node, command: Command, job: Job, ok: bool, outcome: di
             if isinstance(load_s, (int, float)) and load_s >= 0:
                 job.measured_load_s = float(load_s)
                 fields.append("measured_load_s")
+            resumed = outcome.get("checkpoint_step")
+            if isinstance(resumed, int) and job.last_checkpoint_step < resumed <= job.total_steps:
+                # A checkpoint newer than the last one a heartbeat reported (saved just before a
+                # fault): the run continues from there, so progress does too.
+                job.last_checkpoint_step = resumed
+                job.committed_steps = max(job.committed_steps, resumed)
+                fields += ["last_checkpoint_step", "committed_steps"]
             if job.state == JobState.RESIZING:
                 job.transition_to(JobState.RUNNING)
                 fields += ["state", "state_changed_at", "started_at", "first_started_at"]
