@@ -294,6 +294,9 @@ def _soak(batch: int, seconds: float, rate: float, probe_every: int) -> dict:
         "rss_mb_end": round(rss[-1], 1),
         "rss_mb_max": round(max(rss), 1),
         "rss_growth_mb": round(rss[-1] - warm[0], 1),
+        # once a minute: the first minutes include the per-node caches filling (one entry per
+        # node and source, bounded by the cluster), after that the line should be flat
+        "rss_mb_by_minute": [round(value, 1) for value in rss[::60]],
     }
 
 

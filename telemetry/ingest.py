@@ -473,6 +473,7 @@ _UPDATE_SOURCE = (
 # (node id, source, kind) -> (source id, high_seq, window) as this process last committed them.
 # Only a guess that lets the source update ride in the claim's round trip; the UPDATE checks it.
 _committed_sources: dict[tuple[int, str, str], tuple[int, int, int]] = {}
+MAX_KNOWN_SOURCES = 50_000
 
 
 @dataclass
@@ -575,6 +576,8 @@ def _store(kind: str, node: Node, source_name: str, seq: int, rows: SampleRows, 
         key = (node.pk, source_name, str(kind))
 
         def committed() -> None:
+            if len(_committed_sources) >= MAX_KNOWN_SOURCES and key not in _committed_sources:
+                _committed_sources.clear()  # restarted senders leave old names behind; stay bounded
             _committed_sources[key] = state
             _after_commit(kind, node, rows, lag_s)
 
