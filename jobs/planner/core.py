@@ -523,6 +523,20 @@ class PlanningPass:
         rank = effective_rank(job, self.now, self.config)
         forced = entitled or recovering
 
+        # Fast path for a long queue: nothing free for even the smallest size, nothing on its
+        # way back, and no way to take GPUs (best-effort, or a victim search that already
+        # failed for a request this size in this pass): hold at once.
+        if not forced:
+            smallest_need = dps[-1] * rep
+            zones_min = self._zones_for(job, dps[-1])
+            if (self._free_total(zones_min) < smallest_need
+                    and not any(self.soon_free.get(z, 0) for z in zones_min)):
+                aged = job.priority == "regular" and is_aged(job, self.now, self.config)
+                key = (PRIORITY_RANK[job.priority], rank, False, aged)
+                if rank >= PRIORITY_RANK["best_effort"] or self.victim_failed_at.get(key, 1 << 30) <= smallest_need:
+                    self._hold_for_capacity(job, preferred, rep, self._free_total(self._zones_for(job, preferred)), rank)
+                    return
+
         # (a) Fault with enough survivors: continue on them (rule 7) unless spares are at hand.
         if recovering and held_dp:
             d_surv = continue_on_survivors_dp(job, held_dp)
@@ -577,7 +591,12 @@ class PlanningPass:
             if self._try_victims(job, smallest, self._zones_for(job, smallest), rank, forced, kind, entitled):
                 return
         # (f) Hold, saying why.
+        self._hold_for_capacity(job, preferred, rep, free_total, rank)
+
+    def _hold_for_capacity(self, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
+        """Hold a job that cannot start now, with the reasons in plain words."""
         self.capacity_blocked_rank = min(self.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+        need = preferred * rep
         min_need = job.dp_min * rep
         lend_notes = []
         zones_min = self._zones_for(job, job.dp_min)

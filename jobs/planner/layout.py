@@ -9,6 +9,7 @@ TP and PP fix the model's partitioning, so a job only ever holds whole replicas 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from jobs.planner.snapshot import Gpu, Job
 
@@ -20,7 +21,12 @@ def batch_divides(job: Job, dp: int) -> bool:
 
 def valid_dps(job: Job) -> tuple[int, ...]:
     """Every DP the job may run at, ascending: within its bounds and batch-exact."""
-    return tuple(d for d in range(job.dp_min, job.dp_max + 1) if batch_divides(job, d))
+    return _valid_dps(job.dp_min, job.dp_max, job.global_batch, job.micro_batch)
+
+
+@lru_cache(maxsize=4096)
+def _valid_dps(dp_min: int, dp_max: int, global_batch: int, micro_batch: int) -> tuple[int, ...]:
+    return tuple(d for d in range(dp_min, dp_max + 1) if global_batch % (micro_batch * d) == 0)
 
 
 def accum_steps(job: Job, dp: int) -> int | None:

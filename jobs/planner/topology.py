@@ -64,8 +64,11 @@ class ClusterView:
     """
 
     def __init__(self, snapshot: Snapshot) -> None:
-        self.nodes: dict[str, Node] = {n.name: n for n in snapshot.nodes}
-        self.zone_of_node: dict[str, str | None] = {n: None for n in self.nodes}
+        static = _static_topology(snapshot.nodes)
+        self.nodes: dict[str, Node] = static.nodes
+        self.switch_of = static.switch_of
+        self.nodes_of_switch = static.nodes_of_switch
+        self.zone_of_node: dict[str, str | None] = dict.fromkeys(self.nodes)
         for res in sorted(snapshot.reservations, key=lambda r: r.name):
             for node in res.nodes:
                 if node in self.zone_of_node and self.zone_of_node[node] is None:
@@ -78,15 +81,11 @@ class ClusterView:
                 self.held_by_node.setdefault(h.gpu.node, set()).add(h.gpu.index)
         self.free: dict[str | None, dict[str, list[int]]] = {}
         self.zone_total: dict[str | None, int] = {}
-        self.switch_of: dict[str, tuple[str, str]] = {n.name: (n.rack, n.switch) for n in snapshot.nodes}
-        self.nodes_of_switch: dict[tuple[str, str], list[str]] = {}
-        for n in sorted(snapshot.nodes, key=lambda n: n.name):
-            self.nodes_of_switch.setdefault((n.rack, n.switch), []).append(n.name)
         self._sw_groups: dict[tuple[str | None, int], dict[tuple[str, str], int]] = {}
         #: Bumped on every change, so callers can cache answers about the free set.
         self.generation = 0
         self._groups: dict[tuple[str | None, int], int] = {}
-        for name in sorted(self.nodes):
+        for name in static.sorted_names:
             node = self.nodes[name]
             if node.health not in PLACEABLE_HEALTH:
                 continue
@@ -256,6 +255,34 @@ class ClusterView:
                 out.setdefault(node, []).extend(take)
                 limit -= len(take)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _StaticTopology:
+    nodes: dict[str, Node]
+    sorted_names: list[str]
+    switch_of: dict[str, tuple[str, str]]
+    nodes_of_switch: dict[tuple[str, str], list[str]]
+
+
+_TOPOLOGY_CACHE: list[tuple[tuple[Node, ...], _StaticTopology]] = []
+
+
+def _static_topology(nodes: tuple[Node, ...]) -> _StaticTopology:
+    """Name and switch indexes of a node tuple, reused while the caller passes the same tuple.
+
+    Callers that rebuild nodes only when health or speed changes (the simulator does) save
+    the indexing on every pass; the maps are never mutated.
+    """
+    if _TOPOLOGY_CACHE and _TOPOLOGY_CACHE[0][0] is nodes:
+        return _TOPOLOGY_CACHE[0][1]
+    by_name = {n.name: n for n in nodes}
+    of_switch: dict[tuple[str, str], list[str]] = {}
+    for n in sorted(nodes, key=lambda n: n.name):
+        of_switch.setdefault((n.rack, n.switch), []).append(n.name)
+    static = _StaticTopology(by_name, sorted(by_name), {n.name: (n.rack, n.switch) for n in nodes}, of_switch)
+    _TOPOLOGY_CACHE[:] = [(nodes, static)]
+    return static
 
 
 def choose_gpus(

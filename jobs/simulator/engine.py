@@ -76,6 +76,8 @@ from jobs.simulator.scenario import JobSpec, Scenario
 
 POLICIES = ("omni", "static", "kill_preempt")
 EPS = 1e-6
+#: Between milestones a job's step count reaches the planner at most this often.
+SNAPSHOT_PROGRESS_S = 300.0
 #: Reasons for which a regular job may be stopped before its min_run_s (invariant 4).
 FORCED_RULES = frozenset({"harvest.reclaim", "entitlement", "faults", "drain", "victims", "starvation"})
 
@@ -144,6 +146,7 @@ class SimJob:
     version: int = 0
     cached: Job | None = None
     cached_version: int = -1
+    cached_at: float = -math.inf
     cmd_seq: int = 0
     repace: bool = False
     idle_until: float | None = None
@@ -194,6 +197,7 @@ class Simulation:
         self.speed: dict[str, float] = {n: 1.0 for n in self.nodes}
         self.health: dict[str, str] = {n: "healthy" for n in self.nodes}
         self.jobs: dict[str, SimJob] = {}
+        self._nodes_cache: tuple[Node, ...] | None = None
         for spec in scenario.jobs:
             self.jobs[spec.name] = SimJob(spec=spec, rng=random.Random(f"{scenario.seed}:{spec.name}"))
         self.reservations = [
@@ -665,6 +669,7 @@ class Simulation:
 
     def _on_scenario_event(self, index: int) -> None:
         ev = self.scenario.events[index]
+        self._nodes_cache = None  # health or speed may change
         if ev.kind == "node_down":
             self._node_down(ev.node or "")
         elif ev.kind == "node_up":
@@ -764,9 +769,12 @@ class Simulation:
     # --- snapshot and plan ------------------------------------------------------------------------
 
     def _snapshot_job(self, job: SimJob) -> Job:
-        live = job.live_committed(self.now)
-        if job.cached is not None and job.cached_version == job.version and live == job.cached.committed_steps:
+        # Like an agent's heartbeat, progress between milestones is reported at most every
+        # SNAPSHOT_PROGRESS_S; any state change refreshes it at once.
+        if (job.cached is not None and job.cached_version == job.version
+                and self.now - job.cached_at < SNAPSHOT_PROGRESS_S):
             return job.cached
+        live = job.live_committed(self.now)
         spec = job.spec
         if job.activity == "parked":
             phase = "preempted"
@@ -799,14 +807,17 @@ class Simulation:
         )
         job.cached = snap
         job.cached_version = job.version
+        job.cached_at = self.now
         return snap
 
     def snapshot(self) -> Snapshot:
         """The planner's view of the simulated cluster now."""
-        nodes = tuple(
-            Node(n.name, n.rack, n.switch, n.gpus, self.health[n.name], self.speed[n.name])
-            for n in self.scenario.nodes
-        )
+        if self._nodes_cache is None:
+            self._nodes_cache = tuple(
+                Node(n.name, n.rack, n.switch, n.gpus, self.health[n.name], self.speed[n.name])
+                for n in self.scenario.nodes
+            )
+        nodes = self._nodes_cache
         jobs = tuple(self._snapshot_job(self.jobs[name]) for name in sorted(self.active_names))
         reservations = tuple(r for r in self.reservations if self.jobs[r.job].terminal is None)
         parked = [self.jobs[name] for name in sorted(self.active_names) if self.jobs[name].parked]
