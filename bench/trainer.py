@@ -136,8 +136,8 @@ def _telemetry_cost_per_step(work_dir: Path, iterations: int = 2000) -> float:
     return (time.perf_counter() - started) / iterations
 
 
-def bench_imbalance(model: str, steps: int, dp: int, device: torch.device) -> dict[str, Any]:
-    """Time each virtual rank's share of a step in turn, with the balanced and the contiguous plan."""
+def bench_imbalance(model: str, steps: int, dp: int, device: torch.device, repeats: int = 3) -> dict[str, Any]:
+    """Time each virtual rank's share of a step in turn (best of ``repeats``), balanced vs contiguous plan."""
     model_config = MODEL_PRESETS[model]
     torch.manual_seed(0)
     net = MultimodalLM(model_config).to(device)
@@ -155,13 +155,16 @@ def bench_imbalance(model: str, steps: int, dp: int, device: torch.device) -> di
                 rank_s = []
                 for rank_batches in plan.ranks:
                     micro = [collate([render_sample(by_index[i], 0) for i in mb]).to(device) for mb in rank_batches]
-                    _sync(device)
-                    started = time.perf_counter()
-                    for mb in micro:
-                        net(mb).backward()
-                    _sync(device)
-                    rank_s.append(time.perf_counter() - started)
-                    net.zero_grad(set_to_none=True)
+                    tries_s = []
+                    for _ in range(repeats):  # the fastest of a few: other processes only ever add time
+                        _sync(device)
+                        started = time.perf_counter()
+                        for mb in micro:
+                            net(mb).backward()
+                        _sync(device)
+                        tries_s.append(time.perf_counter() - started)
+                        net.zero_grad(set_to_none=True)
+                    rank_s.append(min(tries_s))
                 if step > 2:  # warm-up
                     results[name].append(max(rank_s) / statistics.mean(rank_s))
                     estimated[name].append(plan.estimated_imbalance)

@@ -233,8 +233,10 @@ def launch(config: dict[str, Any]) -> int:
             continue
         if outcome["outcome"] == "preempted":
             print(f"preempted at step {step} ({outcome.get('reason')}); checkpoint {where} saved; re-run the same command to resume", flush=True)
-        else:
+        elif "checkpoint" in outcome:
             print(f"completed at step {step} (checkpoint {where})", flush=True)
+        else:
+            print(f"completed at step {step} (the newest checkpoint already reached --steps; nothing to train)", flush=True)
         return 0
 
 
