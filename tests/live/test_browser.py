@@ -311,7 +311,7 @@ def test_operator_drains_a_node_and_the_audit_page_shows_it(open_as, asgi_server
     assert Node.objects.get(pk=nodes[1].pk).state == "draining"
     page.goto(f"{asgi_server}/audit/?kind=drain")
     row = page.locator("#audit-table tr.expandable").first
-    assert f"olive drained {nodes[1].name}; running there: vlm-live" in row.inner_text()
+    assert f"olive drained {nodes[1].name}; running there: vlm-live." in row.inner_text()
     row.click()
     assert '"to": "draining"' in page.locator("#audit-table tr.detail").first.inner_text()
 
