@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import (
+from tests.trainer.trainer_runs import (
     REFERENCE_ARGS,
     REPO_ROOT,
     losses,
