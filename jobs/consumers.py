@@ -10,6 +10,7 @@ answered with an ``error`` frame and change nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -105,6 +106,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if self.steps_task is not None:
             self.steps_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.steps_task
         if self.group is not None:
             await self.channel_layer.group_discard(self.group, self.channel_name)
             logger.info("agent of %s disconnected (%s)", self.node.name if self.node else "?", code)

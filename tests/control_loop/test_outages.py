@@ -119,8 +119,9 @@ def test_workers_keep_running_while_the_server_is_away_and_their_records_arrive_
     from jobs.models import Command, ElasticEvent, EventKind, Job
     from telemetry.models import StepRecord
 
-    # Longer heartbeats so a few seconds without the server are not a node failure.
-    control_cluster.env["OMNI_HEARTBEAT_INTERVAL_S"] = "3"
+    # Production-length heartbeats (5 s, failed after ~15 s of silence): a few seconds without
+    # the server, plus its restart on a busy machine, must not look like a node failure.
+    control_cluster.env["OMNI_HEARTBEAT_INTERVAL_S"] = "5"
     _, token = make_node("n1", 2)
     actions.submit_job(boss, name="be", priority="best_effort", dp=1, global_batch=16, micro_batch=2,
                        total_steps=100000, step_s=0.8, checkpoint_every_steps=5, checkpoint_save_s=0.5,

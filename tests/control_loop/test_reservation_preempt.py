@@ -32,7 +32,7 @@ def test_borrower_checkpoints_before_the_window_then_the_owner_runs_then_the_bor
     crit = actions.submit_job(boss, name="crit", priority="critical", dp=2, global_batch=16, micro_batch=2,
                               total_steps=4, step_s=0.8, checkpoint_every_steps=2, checkpoint_save_s=1.0,
                               checkpoint_load_s=2.0)
-    window_at = timezone.now() + timedelta(seconds=35)
+    window_at = timezone.now() + timedelta(seconds=50)
     actions.create_reservation(boss, name="crit-window", job=crit, gpus=2, start_at=window_at,
                                period_s=3600, active_s=300)
     actions.submit_job(boss, name="be", priority="best_effort", dp=1, global_batch=16, micro_batch=2,
