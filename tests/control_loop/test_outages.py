@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import re
 import shutil
 import sys
@@ -36,6 +37,8 @@ def _planner_lock_held_elsewhere() -> bool:
 def _start_redis(cluster, port: int):
     binary = shutil.which("redis-server")
     if binary is None:
+        if os.environ.get("OMNI_REQUIRE_SERVICES") == "1":
+            pytest.fail("OMNI_REQUIRE_SERVICES=1 but redis-server is not installed", pytrace=False)
         pytest.skip("redis-server is not installed")
     proc = cluster.spawn(f"redis-{len(cluster.procs)}", [binary, "--port", str(port), "--bind", "127.0.0.1",
                                                          "--save", "", "--appendonly", "no"])
