@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -244,6 +245,11 @@ def run(mode: str, jobs: int, heartbeat_s: float, nodes: int) -> dict[str, Any]:
             "resumed_from_step": resume_from,
             "recovered_on": resumed.node.name,
         }
+    except BaseException:
+        print(f"bench: logs kept in {workdir}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     finally:
         stack.stop_all()
         if scratch_db:
