@@ -149,6 +149,7 @@ def run(mode: str, jobs: int, heartbeat_s: float, nodes: int) -> dict[str, Any]:
             os.environ.pop(key, None)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "omniweb.settings")
     stack = Stack(workdir, env)
+    failed = False
     try:
         subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
         import django
@@ -246,10 +247,9 @@ def run(mode: str, jobs: int, heartbeat_s: float, nodes: int) -> dict[str, Any]:
             "recovered_on": resumed.node.name,
         }
     except BaseException:
+        failed = True
         print(f"bench: logs kept in {workdir}", file=sys.stderr)
         raise
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     finally:
         stack.stop_all()
         if scratch_db:
@@ -257,6 +257,8 @@ def run(mode: str, jobs: int, heartbeat_s: float, nodes: int) -> dict[str, Any]:
 
             connections.close_all()
             _drop_postgres(pg_base, scratch_db)
+        if not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
