@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -10,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from jobs.simulator.traces import TraceError, default_options, import_trace
+from jobs.simulator.traces import (
+    TraceError,
+    TraceJob,
+    build_scenario,
+    default_options,
+    import_trace,
+    read_trace,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO.parent / "shared" / "traces"
@@ -27,10 +35,16 @@ RESERVATION_KEYS = {"name", "job", "gpus", "spares", "start_s", "end_s", "period
 needs_traces = pytest.mark.skipif(not PHILLY.exists() or not ACME.exists(), reason="shared traces not present")
 
 
+@functools.cache
+def philly_jobs() -> tuple[TraceJob, ...]:
+    """The Philly trace, read once per test session (73,000 rows)."""
+    return tuple(read_trace("philly", PHILLY))
+
+
 def philly_slice(**overrides: object) -> dict:
     """The first 400 jobs of the shipped Philly window: fast, but with critical jobs and reservations."""
     options = replace(default_options("philly"), max_jobs=400, days=2.0, **overrides)
-    return import_trace("philly", PHILLY, options)
+    return build_scenario("philly", list(philly_jobs()), options)
 
 
 def acme_slice(**overrides: object) -> dict:
