@@ -23,6 +23,7 @@ from jobs import actions
 from jobs.agent_api import AuthFailure, authenticate, bearer_token, error_frame, handle_frame, parse_headers
 from jobs.models import Node
 from jobs.tasks import agent_group
+from telemetry.metrics import websocket_closed, websocket_opened
 from trainer_agent import protocol
 
 logger = logging.getLogger("jobs.agent")
@@ -77,6 +78,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=exc.code)
             return
         self.group = agent_group(self.node.id)
+        websocket_opened("agent")
         # One agent per node: an older socket for the same node is told to close (4409), so a
         # command is never delivered to two live agents.
         await self.channel_layer.group_send(self.group, {"type": "agent.replaced", "by": self.channel_name})
@@ -109,6 +111,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self.steps_task
         if self.group is not None:
+            websocket_closed("agent")
             await self.channel_layer.group_discard(self.group, self.channel_name)
             logger.info("agent of %s disconnected (%s)", self.node.name if self.node else "?", code)
 

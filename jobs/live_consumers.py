@@ -24,6 +24,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from jobs import roles
 from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, job_group, node_group
 from jobs.models import Job, Node
+from telemetry.metrics import websocket_closed, websocket_opened
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,14 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_NO_ROLE)
             return
         await self.accept()
+        self.counted = True
+        websocket_opened("live")
         await self.send_json({"type": "hello", "user": user.get_username(),
                               "roles": sorted(roles.role_names(user))})
 
     async def disconnect(self, code: int) -> None:
+        if getattr(self, "counted", False):
+            websocket_closed("live")
         if self.flush_handle is not None:
             self.flush_handle.cancel()
         for group in list(getattr(self, "joined", ())):

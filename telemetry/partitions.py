@@ -98,9 +98,16 @@ def ensure_partitions(table_name: str, first: datetime, last: datetime) -> list[
     made: list[str] = []
     start, end = partition_bounds(table, first)
     with connection.cursor() as cursor:
+        locked = False
         while start <= last:
             name = partition_name(table, start)
             if name not in _known:
+                if not locked:
+                    # Two transactions creating the same partition at once would both pass
+                    # IF NOT EXISTS and one would fail with DuplicateTable: serialise creators
+                    # per table until commit (rare: only when a new partition is needed).
+                    cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"omni-partitions:{table.name}"])
+                    locked = True
                 _create_partition(cursor, table, start, end)
                 made.append(name)
             start, end = partition_bounds(table, end)

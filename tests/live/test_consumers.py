@@ -246,3 +246,26 @@ def test_bad_messages_get_an_error_not_a_closed_socket(researcher):
 
     run(scenario)
 
+
+
+
+def test_live_sockets_are_counted_in_the_metrics_gauge(researcher):
+    """/metrics' WebSocket clients gauge follows accepted live sockets, and only those."""
+    from telemetry import metrics
+
+    counts: list[int] = []
+
+    async def scenario():
+        counts.append(metrics.snapshot()[1].get("live", 0))
+        refused = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
+        refused.scope["user"] = AnonymousUser()
+        connected, _ = await refused.connect()
+        assert not connected
+        communicator = await connect(researcher)
+        counts.append(metrics.snapshot()[1].get("live", 0))
+        await communicator.disconnect()
+        counts.append(metrics.snapshot()[1].get("live", 0))
+
+    run(scenario)
+    before, during, after = counts
+    assert during == before + 1 and after == before
