@@ -332,7 +332,7 @@ def _layout_llm(gpus: int, gpus_per_node: int, tp: int) -> tuple[int, int, int]:
 
 
 def _batch(micro_batch: int, dps: Iterable[int], target_global_batch: int) -> int:
-    """Smallest multiple of micro_batch * lcm(dps) not below the target, so every listed dp divides."""
+    """The multiple of micro_batch * lcm(dps) nearest the target (at least one), so every listed dp divides."""
     unit = micro_batch * math.lcm(*dps)
     return unit * max(1, round(target_global_batch / unit))
 
