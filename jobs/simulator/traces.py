@@ -552,8 +552,8 @@ def describe_assumptions(source: str, options: ImportOptions, jobs: list[dict[st
         f"{options.grow_factor}; step {options.step_s_min:g}-{options.step_s_max:g} s"
         f"{' (x3 for pretrain)' if source == 'acme' else ''}; total_steps = trace duration / step_s.",
         "Layouts: below one node TP 1 (data parallel); Acme SFT TP 4; pretrain and critical TP "
-        f"{options.critical_tp}, PP 4 or 2 at >= 256 GPUs when it divides; global batch = the smallest multiple "
-        "of micro_batch x lcm(dp_min, dp, dp_max) near the target (256 small jobs, 1024 pretrain).",
+        f"{options.critical_tp}, PP 4 or 2 at >= 256 GPUs when it divides; global batch = the multiple "
+        "of micro_batch x lcm(dp_min, dp, dp_max) nearest the target (256 small jobs, 1024 pretrain).",
         f"Checkpoints every ~{options.checkpoint_every_s:g} s of steps; save 10 s (Philly), 20 s (SFT), "
         "30 + 0.09 x GPUs s (pretrain, critical); load = 2 x save. Seed "
         f"{options.seed} draws the step times.",
