@@ -197,6 +197,13 @@ def test_command_bad_option_exits_2_with_one_line(tmp_path: Path) -> None:
     assert "--gpus" in done.stderr
 
 
+def test_command_unknown_source_or_bad_number_exits_2_with_one_line(tmp_path: Path) -> None:
+    for args in (("nope", "x.csv", "--out", "o.json"), ("acme", "x.csv", "--out", "o.json", "--days", "many")):
+        done = run_command(*args)
+        assert done.returncode == 2
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 @needs_traces
 def test_command_writes_the_scenario(tmp_path: Path) -> None:
     out = tmp_path / "acme.json"

@@ -7,9 +7,10 @@ A thin shell around :mod:`jobs.simulator.traces`; every option maps to one field
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
@@ -27,6 +28,17 @@ class Command(BaseCommand):
     """Write a FORMAT.md scenario from a Philly or Acme Kalos trace file."""
 
     help = "Turn a public GPU-cluster trace (philly, acme) into a simulator scenario file."
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        """Argument errors on the command line are one line on stderr and exit 2, not a usage dump."""
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        if getattr(self, "_called_from_command_line", False):
+            def one_line_error(message: str) -> NoReturn:
+                sys.stderr.write(f"import_trace: {message}\n")
+                sys.exit(2)
+
+            parser.error = one_line_error  # type: ignore[method-assign]
+        return parser
 
     def add_arguments(self, parser: CommandParser) -> None:
         """One flag per import option; unset flags keep the source's defaults."""
