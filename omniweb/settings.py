@@ -165,6 +165,8 @@ CELERY_TASK_ROUTES = {
     "jobs.monitor_heartbeats": {"queue": "control"},
     "jobs.sweep_commands": {"queue": "control"},
     "jobs.dispatch_node_commands": {"queue": "control"},
+    "telemetry.roll_up": {"queue": "telemetry"},
+    "telemetry.maintain_partitions": {"queue": "telemetry"},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
