@@ -134,6 +134,7 @@ class PlanningPass:
         self._victims_acted_seen = 0
         self._place_failed: dict[tuple, int] = {}
         self._lendable_pools: list[tuple[str, PoolState]] | None = None
+        self._bound_cache: dict[tuple, int] = {}
         self._zones_cache: dict[tuple[str, int], dict[str | None, int | None]] = {}
         self.victim_failed_at: dict[tuple[int, int, bool, bool], int] = {}
 
@@ -200,7 +201,8 @@ class PlanningPass:
         return [self.pools[r.name] for r in self.res_of_job.get(job.name, ()) if r.name in self.pools]
 
     def _entitled_now(self, job: Job) -> bool:
-        return any(is_active(r, self.now) for r in self.res_of_job.get(job.name, ()))
+        resv = self.res_of_job.get(job.name)
+        return bool(resv) and any(is_active(r, self.now) for r in resv)
 
     def _dormant_between_windows(self, job: Job) -> Reservation | None:
         """The recurring reservation a critical job waits for, if it is between windows."""
@@ -507,20 +509,42 @@ class PlanningPass:
 
     def _admit(self, job: Job) -> None:
         rep = job.tp * job.pp
-        recovering = job.phase == "recovering" or any(
-            self.nodes.get(g.node) is None or self.nodes[g.node].health in LOST_HEALTH for g in job.gpus
-        )
-        survivors = surviving_replicas(job, self.nodes, LOST_HEALTH) if job.holdings else []
-        held_dp = len(survivors)
-        survivor_gpus = [g for r in survivors for g in r]
-        anchor = sorted({g.node for g in survivor_gpus}) or sorted({g.node for g in job.gpus})
-        entitled = self._entitled_now(job)
         dps = [d for d in reversed(valid_dps(job)) if d <= job.dp]
         if not dps:
             dps = list(reversed(valid_dps(job)))
         preferred = dps[0]
-        kind = "recover" if recovering else "place"
         rank = effective_rank(job, self.now, self.config)
+        if not job.holdings and job.phase != "recovering" and not job.parked:
+            # Cheapest test first, for long queues: fewer GPUs free anywhere than the job's
+            # smallest size, nothing coming back, and no way to take GPUs from others.
+            groups = self._groups_upper_bound(job)
+            blocked = dps[-1] * job.pp > groups and not any(self.soon_free.values())
+            if not blocked and not self._entitled_now(job):
+                # Count only the zones this job may really use, and what is coming back there.
+                zones_min = self._zones_for(job, dps[-1])
+                groups = sum(
+                    self.view.free_groups(z, job.tp) if limit is None
+                    else min(self.view.free_groups(z, job.tp), limit // job.tp)
+                    for z, limit in zones_min.items()
+                )
+                soon = sum(self.soon_free.get(z, 0) for z in zones_min)
+                blocked = (dps[-1] * job.pp > groups and soon == 0) or (
+                    self._free_total(zones_min) + soon < dps[-1] * rep)
+            if blocked and not self._entitled_now(job):
+                aged = job.priority == "regular" and is_aged(job, self.now, self.config)
+                key = (PRIORITY_RANK[job.priority], rank, False, aged)
+                if rank >= PRIORITY_RANK["best_effort"] or self.victim_failed_at.get(key, 1 << 30) <= dps[-1] * rep:
+                    self._hold_queue_full(job, preferred, rep, groups * job.tp, rank)
+                    return
+        recovering = job.phase == "recovering" or (bool(job.holdings) and any(
+            self.nodes.get(h.gpu.node) is None or self.nodes[h.gpu.node].health in LOST_HEALTH for h in job.holdings
+        ))
+        survivors = surviving_replicas(job, self.nodes, LOST_HEALTH) if job.holdings else []
+        held_dp = len(survivors)
+        survivor_gpus = [g for r in survivors for g in r]
+        anchor = sorted({g.node for g in survivor_gpus}) or sorted({h.gpu.node for h in job.holdings})
+        entitled = self._entitled_now(job)
+        kind = "recover" if recovering else "place"
         forced = entitled or recovering
 
         # Fast path for a long queue: nothing free for even the smallest size, nothing on its
@@ -592,6 +616,42 @@ class PlanningPass:
                 return
         # (f) Hold, saying why.
         self._hold_for_capacity(job, preferred, rep, free_total, rank)
+
+    def _groups_upper_bound(self, job: Job) -> int:
+        """At most how many free ``tp``-GPU groups any zone could give ``job`` now (cheap, cached)."""
+        own = tuple(r.name for r in self.res_of_job.get(job.name, ()))  # already sorted
+        key = (job.tp, job.priority == "critical", own, self.view.generation)
+        hit = self._bound_cache.get(key)
+        if hit is not None:
+            return hit
+        bound = self.view.free_groups(None, job.tp)
+        shortest_s = self.config.startup_s + self.config.reclaim_margin_s
+        for name, pool in self.pools.items():
+            if not self.view.zone_total.get(name, 0):
+                continue
+            groups = self.view.free_groups(name, job.tp)
+            if name in own or self.kill:
+                bound += groups
+            elif job.priority != "critical":
+                window_s = pool.next_need_s - self.now
+                bound += groups if window_s > shortest_s else min(groups, pool.spare_lendable // job.tp)
+        self._bound_cache[key] = bound
+        return bound
+
+    def _hold_queue_full(self, job: Job, preferred: int, rep: int, free_anywhere: int, rank: int) -> None:
+        """The cheap hold for the tail of a long queue: nothing anywhere could start it."""
+        self.capacity_blocked_rank = min(self.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+        need = preferred * rep
+        why = ("best-effort jobs never preempt others" if rank >= PRIORITY_RANK["best_effort"]
+               else "no lower-priority job can give GPUs back now")
+        text = (f"Pending: needs {need} GPUs ({_replicas(preferred)} of {rep}; at least {job.dp_min * rep}) "
+                f"and at most {free_anywhere} GPUs it may use are free in whole {job.tp}-GPU TP groups; {why}.")
+        self.actions.append(Action(
+            kind="hold", job=job.name,
+            reason=Reason("hold", text, {"cause": "capacity", "gpus_needed": need, "gpus_min": job.dp_min * rep,
+                                         "gpus_free": free_anywhere, "effective_rank": rank}),
+            global_batch=job.global_batch,
+        ))
 
     def _hold_for_capacity(self, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
         """Hold a job that cannot start now, with the reasons in plain words."""
@@ -939,7 +999,7 @@ class PlanningPass:
                 continue
             since = job.last_resize_s if job.last_resize_s is not None else job.run_started_s
             if since is not None and self.now - since < self.config.resize_hysteresis_s:
-                self._wake_at(since + self.config.resize_hysteresis_s)
+                # No wake-up for this: growth is opportunistic and the next pass will do.
                 continue
             d = job.current_dp
             zones = self._zones_for(job, job.dp_max)

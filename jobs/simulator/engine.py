@@ -186,8 +186,9 @@ class Simulation:
         self.record_events = record_events
         self.progress = progress
         self.tick_s = tick_s
-        # Big replays batch non-urgent planner passes into 30 s slots; small ones plan at once.
-        self.coalesce_s = coalesce_s if coalesce_s is not None else (30.0 if len(scenario.jobs) > 500 else 0.0)
+        # Big replays batch non-urgent planner passes into 60 s slots; small ones plan at once.
+        self.big = len(scenario.jobs) > 500
+        self.coalesce_s = coalesce_s if coalesce_s is not None else (60.0 if self.big else 0.0)
         self.config: PlannerConfig = scenario.planner_config("kill" if policy == "kill_preempt" else "graceful")
         self.horizon = scenario.horizon_s
         self.nodes: dict[str, Node] = {n.name: n for n in scenario.nodes}
@@ -536,7 +537,9 @@ class Simulation:
         op = job.op
         job.op = None
         self._touch(job)
-        self._request_plan(self.now)
+        # GPUs given back: plan at once, except in big replays where releases of non-critical
+        # work are batched with the other non-urgent changes.
+        self._request_plan(self.now, urgent=not self.big or job.spec.priority == "critical")
         if op is None:
             return
         if op.kind == "park":
