@@ -23,7 +23,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active, next_boundary_s, next_start_s
 from jobs.planner.faults import continue_on_survivors_dp, straggler_gain, surviving_replicas
-from jobs.planner.harvest import PoolState, lendable_gpus, pool_state, reclaim_due_s
+from jobs.planner.harvest import PoolState, fits_in_grace, lendable_gpus, pool_state, reclaim_due_s
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of, valid_dps
 from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time, step_time_at
 from jobs.planner.snapshot import (
@@ -451,6 +451,8 @@ class PlanningPass:
             self._lendable_pools = [(n, p) for n, p in self._lendable_pools if totals.get(n, 0) > 0]
         for name, pool in self._lendable_pools:
             if name in zones or totals.get(name, 0) <= 0:
+                continue
+            if not pool.need_predictable and not self.kill and not fits_in_grace(job, self.config):
                 continue
             window_s = pool.next_need_s - self.now
             if window_s > 0 and needed_s is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from jobs.planner.config import PlannerConfig
 from jobs.planner.entitlements import entitled_gpus, is_active, next_start_s
-from jobs.planner.rhythm import min_loan_window_s, reclaim_lead_time
+from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time
 from jobs.planner.snapshot import Job, Reservation
 
 INFINITY = math.inf
@@ -32,6 +32,8 @@ class PoolState:
     need_now: int
     next_need_s: float
     must_be_free: int
+    #: False while the pool is active but its job has not arrived: the need may come any time.
+    need_predictable: bool = True
 
     @property
     def spare_lendable(self) -> int:
@@ -70,7 +72,7 @@ def pool_state(
             return PoolState(res, healthy_gpus, free_gpus, held, need_now, nxt, cap if nxt < INFINITY else 0)
         return PoolState(res, healthy_gpus, free_gpus, held, need_now, INFINITY, 0)
     if owner is None and is_active(res, now_s):
-        return PoolState(res, healthy_gpus, free_gpus, held, 0, INFINITY, 0)
+        return PoolState(res, healthy_gpus, free_gpus, held, 0, INFINITY, 0, need_predictable=False)
     nxt = next_start_s(res, now_s) if not is_active(res, now_s) else INFINITY
     if nxt == INFINITY:
         return PoolState(res, healthy_gpus, free_gpus, held, 0, INFINITY, 0)
@@ -88,9 +90,19 @@ def lendable_gpus(pool: PoolState, borrower: Job, dp: int, now_s: float, config:
     needed_s = min_loan_window_s(borrower, dp, config)
     if config.reclaim_mode == "kill":
         needed_s = 0.0
+    elif not pool.need_predictable and not fits_in_grace(borrower, config):
+        # The reserved job may arrive at any moment: lend only to a borrower that can finish
+        # its step and save within reclaim_grace_s of being asked.
+        return 0, window_s, needed_s
     if window_s > 0 and window_s >= needed_s:
         return pool.free_gpus, window_s, needed_s
     return pool.spare_lendable, window_s, needed_s
+
+
+def fits_in_grace(borrower: Job, config: PlannerConfig) -> bool:
+    """Whether ``borrower`` can finish its step and save within ``reclaim_grace_s``."""
+    p = predict(borrower, config)
+    return p.step_s + p.save_s * config.safety_factor <= config.reclaim_grace_s
 
 
 def reclaim_due_s(borrower: Job, pool: PoolState, config: PlannerConfig) -> float:
