@@ -81,3 +81,13 @@ def test_critical_job_never_borrows_another_reservations_gpus() -> None:
     result = plan(snap, 0.0)
     assert not result.by_kind("lend")
     assert result.by_kind("hold")[0].job == "other-crit"
+
+
+def test_before_the_reserved_job_arrives_only_quick_savers_borrow() -> None:
+    active = Reservation("open", "vlm", gpus=32, start_s=0.0, nodes=POOL)
+    quick = job("quick", "best_effort", dp=2, save_s=10.0)
+    slow = job("slow", "best_effort", dp=2, save_s=120.0)
+    busy = job("busy", gpus=GENERAL, dp=4)
+    lent = plan(snapshot(cluster(), [busy, quick], (active,)), 100.0).by_kind("lend")
+    assert [a.job for a in lent] == ["quick"]
+    assert not plan(snapshot(cluster(), [busy, slow], (active,)), 100.0).by_kind("lend")
