@@ -225,7 +225,9 @@ class PlanningPass:
                 continue
             healthy += node.gpus
             for i in sorted(self.view.held_by_node.get(name, ())):
-                held.append(Gpu(name, i))
+                g = Gpu(name, i)
+                if g in self.view.owner:
+                    held.append(g)
         return healthy, held
 
     def _reservations(self) -> None:

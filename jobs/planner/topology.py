@@ -206,6 +206,7 @@ class ClusterView:
         before = {n: self._node_free(n) for n in {g.node for g in gpus}}
         for g in gpus:
             self.owner[g] = job
+            self.held_by_node.setdefault(g.node, set()).add(g.index)
             zone_free = self.free.get(self.zone_of_node[g.node])
             if zone_free is None or g.node not in zone_free:
                 continue
@@ -225,6 +226,9 @@ class ClusterView:
         before = {n: self._node_free(n) for n in {g.node for g in gpus}}
         for g in gpus:
             self.owner.pop(g, None)
+            held = self.held_by_node.get(g.node)
+            if held is not None:
+                held.discard(g.index)
             node = self.nodes.get(g.node)
             if node is None or node.health not in PLACEABLE_HEALTH:
                 continue
