@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_agent import protocol
+from trainer_agent.checkpoint import CheckpointStore
 
 logger = logging.getLogger("trainer_agent.node")
 
@@ -141,16 +142,8 @@ class TorchJob:
 
     def newest_checkpoint(self) -> int:
         """The newest complete checkpoint step in the run dir (0 when none)."""
-        directory = self.run_dir / "checkpoints"
-        best = 0
-        if directory.is_dir():
-            for entry in directory.iterdir():
-                if entry.name.startswith("step-") and (entry / "manifest.json").exists():
-                    try:
-                        best = max(best, int(entry.name.split("-")[1]))
-                    except ValueError:
-                        continue
-        return best
+        steps = CheckpointStore(self.run_dir / "checkpoints").complete_steps()
+        return steps[-1] if steps else 0
 
     async def launch(self, dp: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -721,15 +714,8 @@ def _newest_checkpoint_on_disk(run_dir: Path) -> int:
         best = int(json.loads((run_dir / SIM_CHECKPOINT).read_text())["step"])
     except (OSError, ValueError, KeyError):
         pass
-    directory = run_dir / "checkpoints"
-    if directory.is_dir():
-        for entry in directory.iterdir():
-            if entry.name.startswith("step-") and (entry / "manifest.json").exists():
-                try:
-                    best = max(best, int(entry.name.split("-")[1]))
-                except ValueError:
-                    continue
-    return best
+    steps = CheckpointStore(run_dir / "checkpoints").complete_steps()
+    return max(best, steps[-1] if steps else 0)
 
 
 def _has_only_simulated_history(run_dir: Path) -> bool:
