@@ -35,6 +35,19 @@ def _run_action(modeladmin, request, queryset, action, label: str) -> None:
         modeladmin.message_user(request, f"{label}: {done} done.")
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Browse and search only: these rows change through jobs.actions, which audits every write."""
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
 class AllocationInline(admin.TabularInline):
     model = Allocation
     extra = 0
@@ -98,37 +111,20 @@ class JobAdmin(admin.ModelAdmin):
 
 
 @admin.register(Reservation)
-class ReservationAdmin(admin.ModelAdmin):
+class ReservationAdmin(ReadOnlyAdmin):
+    # Created and edited through jobs.actions (validated and audited): the console and API.
     list_display = ("name", "job", "gpus", "spares", "start_at", "end_at", "period_s", "active_s", "cancelled_at")
     list_filter = ("job",)
     search_fields = ("name", "job__name")
     list_select_related = ("job",)
 
-    def has_add_permission(self, request) -> bool:
-        return False  # created through jobs.actions.create_reservation (validated and audited)
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
-
 
 @admin.register(Allocation)
-class AllocationAdmin(admin.ModelAdmin):
+class AllocationAdmin(ReadOnlyAdmin):
     list_display = ("node", "gpu_index", "job", "borrowed_from", "loan_until", "since")
     list_filter = ("node__rack", "borrowed_from")
     search_fields = ("node__name", "job__name")
     list_select_related = ("node", "job", "borrowed_from")
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(Command)
@@ -147,21 +143,12 @@ class CommandAdmin(admin.ModelAdmin):
 
 
 @admin.register(ElasticEvent)
-class ElasticEventAdmin(admin.ModelAdmin):
+class ElasticEventAdmin(ReadOnlyAdmin):
     list_display = ("id", "at", "kind", "job_name", "actor", "dp_before", "dp_after", "gpus_before", "gpus_after")
     list_filter = ("kind", "actor")
     search_fields = ("job_name", "actor", "planner_run")
     date_hierarchy = "at"
     readonly_fields = [f.name for f in ElasticEvent._meta.fields]
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(PlannerRun)
