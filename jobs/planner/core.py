@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Plan, Reason
@@ -132,9 +133,11 @@ class PlanningPass:
         self.capacity_blocked_rank = 99
         self._victims_sorted: list[_VictimEntry] | None = None
         self._victims_acted_seen = 0
+        self._victims_head = 0
         self._place_failed: dict[tuple, int] = {}
         self._lendable_pools: list[tuple[str, PoolState]] | None = None
         self._bound_cache: dict[tuple, int] = {}
+        self._pools_bound_cache: dict[tuple, tuple[int, dict[str, tuple[int, int]]]] = {}
         self._zones_cache: dict[tuple[str, int], dict[str | None, int | None]] = {}
         self.victim_failed_at: dict[tuple[int, int, bool, bool], int] = {}
 
@@ -178,7 +181,8 @@ class PlanningPass:
             self.acted.add(job.name)
             new = [g for g in gpus_after if self.view.owner.get(g) != job.name]
             self.view.take(job.name, new)
-            freed = [g for g in job.gpus if g not in set(gpus_after)]
+            after_set = set(gpus_after)
+            freed = [g for g in job.gpus if g not in after_set]
             if freed:
                 if graceful and kind not in ("recover",):
                     for g in freed:
@@ -628,17 +632,37 @@ class PlanningPass:
         hit = self._bound_cache.get(key)
         if hit is not None:
             return hit
-        bound = self.view.free_groups(None, job.tp)
-        shortest_s = self.config.startup_s + self.config.reclaim_margin_s
-        for name, pool in self.pools.items():
-            if not self.view.zone_total.get(name, 0):
-                continue
-            groups = self.view.free_groups(name, job.tp)
-            if name in own or self.kill:
-                bound += groups
-            elif job.priority != "critical":
-                window_s = pool.next_need_s - self.now
-                bound += groups if window_s > shortest_s else min(groups, pool.spare_lendable // job.tp)
+        # The pools' part depends only on (tp, critical, free set), not on the job: count it
+        # once for every pool as if none were the job's own, then correct for its own pools
+        # (usually none or one) instead of walking every pool for every waiting job.
+        critical = job.priority == "critical"
+        pools_key = (job.tp, critical, self.view.generation)
+        per_pool = self._pools_bound_cache.get(pools_key)
+        if per_pool is None:
+            shortest_s = self.config.startup_s + self.config.reclaim_margin_s
+            parts: dict[str, tuple[int, int]] = {}
+            other_total = 0
+            for name, pool in self.pools.items():
+                if not self.view.zone_total.get(name, 0):
+                    continue
+                groups = self.view.free_groups(name, job.tp)
+                if self.kill:
+                    other = groups
+                elif not critical:
+                    window_s = pool.next_need_s - self.now
+                    other = groups if window_s > shortest_s else min(groups, pool.spare_lendable // job.tp)
+                else:
+                    other = 0
+                parts[name] = (groups, other)
+                other_total += other
+            per_pool = (other_total, parts)
+            self._pools_bound_cache[pools_key] = per_pool
+        other_total, parts = per_pool
+        bound = self.view.free_groups(None, job.tp) + other_total
+        for name in set(own):
+            part = parts.get(name)
+            if part is not None:
+                bound += part[0] - part[1]
         self._bound_cache[key] = bound
         return bound
 
@@ -837,7 +861,8 @@ class PlanningPass:
         def candidates() -> Iterator[Job]:
             # _victim_pool() is in victim order (lower class, elastic, cheapest first), so the
             # search stops at the first set that fits.
-            for entry in self._victim_pool():
+            pool = self._victim_pool()
+            for entry in islice(pool, self._victims_head, None):
                 other = entry.job
                 if other.name == job.name or other.name in self.acted or zone_set.isdisjoint(entry.zones):
                     continue
@@ -855,21 +880,70 @@ class PlanningPass:
                     continue
                 yield other
 
-        base: dict[str, list[int]] = {}
+        # choose_gpus() finds a placement whenever the free whole TP groups number at least
+        # dp * pp (it only fails when they are fewer), so the fit test counts groups: free
+        # GPUs per node once per search (whole zones from the view's incrementally kept
+        # counts), the victims already chosen incrementally (that list only grows), and per
+        # test only the option's own freed GPUs, instead of re-merging every free node and
+        # every chosen GPU per call.
         free_now = self._free_total(zones)
+        tp = job.tp
+        groups_needed = dp * job.pp
+        view = self.view
+        base: dict[str, int] = {}
+        state: dict[str, object] = {}
+
+        def have_free(node: str) -> int:
+            z = view.zone_of_node.get(node)
+            return len(view.free.get(z, {}).get(node, ())) if zones[z] is None else base.get(node, 0)
+
+        def count(gpus: Sequence[Gpu], into: dict[str, int]) -> None:
+            for g in gpus:
+                if view.zone(g) in zone_set and self.nodes[g.node].health in PLACEABLE_HEALTH:
+                    into[g.node] = into.get(g.node, 0) + 1
+
+        def fits_split(chosen: list[Gpu], extra: Sequence[Gpu]) -> bool:
+            if free_now + len(chosen) + len(extra) < need:
+                return False
+            if groups_needed <= 0:
+                return True
+            if "groups" not in state:
+                total = 0
+                for z, limit in zones.items():
+                    if limit is None:
+                        total += view.free_groups(z, tp)
+                    else:
+                        # Same counts as view.candidates() for a capped zone.
+                        for n, idx in view.candidates({z: limit}).items():
+                            base[n] = len(idx)
+                            total += len(idx) // tp
+                state["groups"] = total
+            if state.get("list") is not chosen:
+                state["list"], state["seen"], state["added"], state["gain"] = chosen, 0, {}, 0
+            added: dict[str, int] = state["added"]  # type: ignore[assignment]
+            seen: int = state["seen"]  # type: ignore[assignment]
+            if seen < len(chosen):
+                more: dict[str, int] = {}
+                count(chosen[seen:], more)
+                gain: int = state["gain"]  # type: ignore[assignment]
+                for node, k in more.items():
+                    now = have_free(node) + added.get(node, 0)
+                    gain += (now + k) // tp - now // tp
+                    added[node] = added.get(node, 0) + k
+                state["seen"], state["gain"] = len(chosen), gain
+            extra_added: dict[str, int] = {}
+            count(extra, extra_added)
+            groups: int = state["groups"] + state["gain"]  # type: ignore[operator]
+            for node, k in extra_added.items():
+                now = have_free(node) + added.get(node, 0)
+                groups += (now + k) // tp - now // tp
+            return groups >= groups_needed
 
         def fits(freed: list[Gpu]) -> bool:
-            if free_now + len(freed) < need:
-                return False
-            if not base:
-                base.update(self.view.candidates(zones))
-            merged = dict(base)
-            for g in freed:
-                if self.view.zone(g) in zone_set and self.nodes[g.node].health in PLACEABLE_HEALTH:
-                    merged[g.node] = [*merged.get(g.node, ()), g.index]
-            return choose_gpus(merged, self.nodes, job.tp, job.pp, dp) is not None
+            return fits_split([], freed)
 
-        options = choose_victims(candidates(), fits, self.config, floor_dp=lambda j: floors.get(j.name))
+        options = choose_victims(candidates(), fits, self.config, floor_dp=lambda j: floors.get(j.name),
+                                 fits_split=fits_split)
         if options is None:
             self.victim_failed_at[key] = min(need, self.victim_failed_at.get(key, 1 << 30))
             return False
@@ -913,10 +987,20 @@ class PlanningPass:
                 for j in pool
             ]
             self._victims_acted_seen = len(self.acted)
+            self._victims_head = 0
         elif len(self.acted) - self._victims_acted_seen >= max(16, len(self._victims_sorted) // 8):
             self._victims_sorted = [e for e in self._victims_sorted if e.job.name not in self.acted]
             self._victims_acted_seen = len(self.acted)
-        return self._victims_sorted
+            self._victims_head = 0
+        # The cheapest victims are taken first, so acted-on entries gather at the head: skip
+        # that prefix once instead of re-testing it on every search (the searches skip acted
+        # entries anyway).
+        entries = self._victims_sorted
+        head = self._victims_head
+        while head < len(entries) and entries[head].job.name in self.acted:
+            head += 1
+        self._victims_head = head
+        return entries
 
     def _emit_victim(self, opt: VictimOption, requester: Job, forced: bool, aged: bool) -> None:
         job = opt.job

@@ -85,6 +85,8 @@ class ClusterView:
         #: Bumped on every change, so callers can cache answers about the free set.
         self.generation = 0
         self._groups: dict[tuple[str | None, int], int] = {}
+        self._group_tps: dict[str | None, list[int]] = {}
+        self._sw_group_tps: dict[str | None, list[int]] = {}
         for name in static.sorted_names:
             node = self.nodes[name]
             if node.health not in PLACEABLE_HEALTH:
@@ -105,17 +107,15 @@ class ClusterView:
         for node, old in before.items():
             zone = self.zone_of_node.get(node)
             new = self._node_free(node)
-            for key in self._groups:
-                if key[0] == zone:
-                    tp = key[1]
-                    self._groups[key] += new // tp - old // tp
-            for key, by_switch in self._sw_groups.items():
-                if key[0] == zone:
-                    tp = key[1]
-                    delta = new // tp - old // tp
-                    if delta:
-                        sw = self.switch_of[node]
-                        by_switch[sw] = by_switch.get(sw, 0) + delta
+            # Only the counters of this node's zone (indexed by zone, not scanned).
+            for tp in self._group_tps.get(zone, ()):
+                self._groups[(zone, tp)] += new // tp - old // tp
+            for tp in self._sw_group_tps.get(zone, ()):
+                delta = new // tp - old // tp
+                if delta:
+                    by_switch = self._sw_groups[(zone, tp)]
+                    sw = self.switch_of[node]
+                    by_switch[sw] = by_switch.get(sw, 0) + delta
 
     def switch_groups(self, zone: str | None, tp: int) -> dict[tuple[str, str], int]:
         """Free ``tp``-GPU groups per (rack, switch) in a zone (kept up to date incrementally)."""
@@ -128,6 +128,7 @@ class ClusterView:
                     sw = self.switch_of[node]
                     by_switch[sw] = by_switch.get(sw, 0) + g
             self._sw_groups[key] = by_switch
+            self._sw_group_tps.setdefault(zone, []).append(tp)
         return self._sw_groups[key]
 
     def place(
@@ -189,6 +190,7 @@ class ClusterView:
         key = (zone, tp)
         if key not in self._groups:
             self._groups[key] = sum(len(idx) // tp for idx in self.free.get(zone, {}).values())
+            self._group_tps.setdefault(zone, []).append(tp)
         return self._groups[key]
 
     def zone(self, gpu: Gpu) -> str | None:

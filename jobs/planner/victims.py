@@ -96,8 +96,13 @@ def choose_victims(
     config: PlannerConfig,
     floor_dp: Callable[[Job], int | None] = lambda job: None,
     drop_first: Callable[[tuple[Gpu, ...]], bool] | None = None,
+    fits_split: Callable[[list[Gpu], tuple[Gpu, ...]], bool] | None = None,
 ) -> list[VictimOption] | None:
     """The cheapest set of victim options after which ``fits(freed)`` holds, or None.
+
+    ``fits_split(chosen, extra)``, when given, is asked instead of ``fits(chosen + extra)``
+    and must answer the same; ``chosen`` is one list that only grows during the search, so
+    the callee can count it incrementally instead of re-reading it on every test.
 
     ``candidates`` must already be filtered for class and ``min_run_s`` and sorted with
     ``victim_sort_key``; it may be a lazy iterator (it is consumed only as far as needed). For each candidate in turn the smallest option that completes the
@@ -108,7 +113,7 @@ def choose_victims(
     for job in candidates:
         options = victim_options(job, config, floor_dp(job), drop_first)
         for opt in options:
-            if fits(freed + list(opt.freed)):
+            if fits_split(freed, opt.freed) if fits_split is not None else fits(freed + list(opt.freed)):
                 chosen.append(opt)
                 return chosen
         shrinks = [o for o in options if o.is_shrink]
