@@ -34,7 +34,7 @@ from contextlib import nullcontext  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NoReturn  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -293,8 +293,8 @@ def _cpu_threads(dp: int) -> int:
     return max(1, cores // dp)
 
 
-def run(config: WorkerConfig, rank: int, world_size: int) -> int:
-    """Train this rank until done or preempted; return the process exit code."""
+def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
+    """Train this rank until done or preempted, then leave the process (exit status 0)."""
     run_dir = Path(config.run_dir)
     torch.set_num_threads(_cpu_threads(world_size))
     torch.use_deterministic_algorithms(True)
@@ -463,15 +463,28 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> int:
         _write_exit(run_dir, outcome)
     runtime.close()
     dist.destroy_process_group()
-    return 0
+    _exit_without_teardown(0)
 
 
-def main() -> int:
+def _exit_without_teardown(code: int) -> NoReturn:
+    """Leave now, skipping Python's teardown of the DDP model and the gloo group.
+
+    Deallocating DDP's Reducer joins gloo's worker thread while holding the GIL, and that thread
+    may be waiting for the GIL to drop a tensor of its last collective: a deadlock seen at exit
+    on a loaded machine (rank 1 hung after rank 0 had left). Everything this process owes (the
+    checkpoint, metrics.jsonl, exit.json) is written and closed by now.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> NoReturn:
     """Entry point of one worker process."""
     _die_with_parent()
     config = WorkerConfig(**json.loads(os.environ[CONFIG_ENV]))
-    return run(config, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    run(config, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
