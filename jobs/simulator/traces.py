@@ -577,7 +577,12 @@ def options_with(source: str, overrides: dict[str, Any]) -> ImportOptions:
     if unknown:
         raise TraceError(f"unknown import option(s): {', '.join(unknown)}")
     values = {key: value for key, value in overrides.items() if value is not None}
-    return replace(default_options(source), **values)
+    defaults = default_options(source)
+    options = replace(defaults, **values)
+    if "name" not in values and (options.start_day, options.days) != (defaults.start_day, defaults.days):
+        # Another window is another scenario: do not let it pass for the shipped one.
+        options = replace(options, name=f"{source}-day{options.start_day:g}-{options.days:g}d")
+    return options
 
 
 def option_names() -> list[str]:
@@ -586,7 +591,7 @@ def option_names() -> list[str]:
 
 
 OPTION_HELP: dict[str, str] = {
-    "name": "scenario name (default: philly-week / acme-llm)",
+    "name": "scenario name (default: philly-week / acme-llm, or SOURCE-dayD-Nd for another window)",
     "start_day": "window start in trace days, after --arrival-scale",
     "days": "window length in days; also the scenario horizon",
     "max_jobs": "keep only the first N jobs of the window (0: all)",

@@ -213,3 +213,11 @@ def test_command_writes_the_scenario(tmp_path: Path) -> None:
     assert scenario["seed"] == 3
     assert scenario["horizon_s"] == 3 * 86400
     assert_follows_format(scenario)
+
+
+def test_another_window_gets_its_own_scenario_name():
+    from jobs.simulator.traces import options_with
+
+    assert options_with("philly", {}).name == "philly-week"
+    assert options_with("philly", {"days": 1.0}).name == "philly-day49-1d"
+    assert options_with("philly", {"days": 1.0, "name": "mine"}).name == "mine"
