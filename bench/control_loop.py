@@ -182,7 +182,7 @@ def run(mode: str, jobs: int, heartbeat_s: float, nodes: int) -> dict[str, Any]:
         stack.spawn("agents", [PY, "-m", "trainer_agent.node", "--server", url, "--virtual-nodes",
                                str(workdir / "virtual.json"), "--runs-dir", runs, "--time-scale", "0.25",
                                "--log-level", "WARNING"])
-        stack.spawn("victim", [PY, "-m", "trainer_agent.node", "--server", url, "--token", victim["token"],
+        stack.spawn("victim", [PY, "-m", "trainer_agent.node", "--server", url, f"--token={victim['token']}",
                                "--node", victim["node"], "--simulate-gpus", "4", "--simulated-workers",
                                "--runs-dir", runs, "--time-scale", "0.25", "--log-level", "WARNING"])
         _wait(lambda: Node.objects.filter(last_heartbeat_at__isnull=False).count() == nodes, 60, "every agent")

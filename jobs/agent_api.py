@@ -1,7 +1,7 @@
 """The server side of the agent protocol, shared by the WebSocket consumer and the HTTP fallback.
 
-``authenticate`` maps a bearer token to its node (tokens are stored hashed; a refused attempt is
-logged without the token). ``handle_frame`` applies one validated agent frame through the
+Agents are authenticated by ``jobs.agent_auth`` (the same function for the socket, this
+fallback and telemetry ingestion). ``handle_frame`` applies one validated agent frame through the
 actions in ``jobs.actions`` and returns the frames to send back. ``heartbeat_view`` is the HTTP
 fallback for heartbeats, step records and worker exits when a socket cannot be held open.
 Protocol: ``trainer_agent.protocol`` and docs/control-loop.md.
@@ -18,41 +18,11 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from jobs import actions
+from jobs.agent_auth import AgentAuthFailure, agent_from_headers, request_headers
 from jobs.models import Node
-from jobs.models.cluster import hash_agent_token
 from trainer_agent import protocol
 
 logger = logging.getLogger("jobs.agent")
-
-
-class AuthFailure(Exception):
-    """Why an agent was refused, with the WebSocket close code that says so."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def bearer_token(headers: dict[str, str]) -> str:
-    """The token from ``Authorization: Bearer ...`` (header names lower-case), or ``""``."""
-    value = headers.get("authorization", "")
-    scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
-
-
-def authenticate(token: str, claimed_node: str, peer: str) -> Node:
-    """The node this token belongs to; raises AuthFailure (and logs, never the token)."""
-    if not token:
-        logger.warning("agent refused: no token (peer %s, claimed node %r)", peer, claimed_node or "-")
-        raise AuthFailure(protocol.CLOSE_MISSING_TOKEN, "missing agent token: send 'Authorization: Bearer TOKEN'")
-    node = Node.objects.filter(agent_token_hash=hash_agent_token(token)).first()
-    if node is None or not node.token_matches(token):
-        logger.warning("agent refused: unknown token (peer %s, claimed node %r)", peer, claimed_node or "-")
-        raise AuthFailure(protocol.CLOSE_BAD_TOKEN, "agent token not recognised")
-    if claimed_node and claimed_node != node.name:
-        logger.warning("agent refused: token of %s presented as %r (peer %s)", node.name, claimed_node, peer)
-        raise AuthFailure(protocol.CLOSE_BAD_TOKEN, "agent token does not belong to the claimed node")
-    return node
 
 
 def error_frame(code: str, message: str, ref: Any = None) -> dict[str, Any]:
@@ -159,12 +129,10 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
 @require_POST
 def heartbeat_view(request: HttpRequest) -> JsonResponse:
     """HTTP fallback: POST one heartbeat, steps or exit frame with the node's bearer token."""
-    headers = {k.lower(): v for k, v in request.headers.items()}
     try:
-        node = authenticate(bearer_token(headers), headers.get("x-omni-node", ""), request.META.get("REMOTE_ADDR", "?"))
-    except AuthFailure as exc:
-        status = 401 if exc.code == protocol.CLOSE_MISSING_TOKEN else 403
-        return JsonResponse(error_frame("unauthorized", str(exc)), status=status)
+        node = agent_from_headers(request_headers(request), request.META.get("REMOTE_ADDR", "?"))
+    except AgentAuthFailure as exc:
+        return JsonResponse(error_frame("unauthorized", str(exc)), status=exc.http_status)
     try:
         frame = protocol.validate_agent_frame(protocol.parse_frame(request.body))
     except protocol.ProtocolError as exc:
@@ -176,9 +144,4 @@ def heartbeat_view(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"ok": not replies, "replies": replies, "open_commands": pending})
 
 
-def parse_headers(scope_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI headers as a lower-case dict."""
-    return {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope_headers}
-
-
-__all__ = ["AuthFailure", "authenticate", "bearer_token", "handle_frame", "heartbeat_view"]
+__all__ = ["error_frame", "handle_frame", "heartbeat_view"]

@@ -13,3 +13,6 @@ class JobsConfig(AppConfig):
         from jobs import live_events
 
         live_events.connect()
+        # Register the Celery tasks in every process (web, worker, management commands): actions
+        # trigger them by name (jobs.actions._common.trigger_plan), never by importing them.
+        from jobs import tasks  # noqa: F401

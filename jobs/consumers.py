@@ -1,8 +1,9 @@
 """The agent endpoint: one WebSocket per node agent at ``/ws/agent/`` (docs/control-loop.md).
 
-The agent authenticates with its node's bearer token; a missing or wrong token gets the socket
-closed with 4401 / 4403 and a log line (never the token). After ``hello`` the server replays
-every unacknowledged command for the node, then streams new ones as ``dispatch_node_commands``
+The agent authenticates with its node's bearer token (``jobs.agent_auth``, the same check as the
+HTTP fallback and telemetry ingestion); a missing or wrong token gets the socket closed with
+4401 / 4403 and a log line (never the token). After ``hello`` the server replays
+every unacknowledged command for the node, then streams new ones as ``send_node_commands``
 sends them to the ``agent-{node id}`` group. Malformed frames and unknown command ids are
 answered with an ``error`` frame and change nothing.
 """
@@ -20,9 +21,10 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.db import close_old_connections
 
 from jobs import actions
-from jobs.agent_api import AuthFailure, authenticate, bearer_token, error_frame, handle_frame, parse_headers
+from jobs.actions import agent_group
+from jobs.agent_api import error_frame, handle_frame
+from jobs.agent_auth import AgentAuthFailure, agent_from_headers, asgi_headers
 from jobs.models import Node
-from jobs.tasks import agent_group
 from telemetry.metrics import websocket_closed, websocket_opened
 from trainer_agent import protocol
 
@@ -65,17 +67,15 @@ class AgentConsumer(AsyncWebsocketConsumer):
     dropped_step_frames = 0
 
     async def connect(self) -> None:
-        headers = parse_headers(self.scope.get("headers", []))
+        headers = asgi_headers(self.scope.get("headers", []))
         client = self.scope.get("client") or ("?", 0)
         peer = f"{client[0]}:{client[1]}"
         await self.accept()
         try:
-            self.node = await database_sync_to_async(authenticate)(
-                bearer_token(headers), headers.get("x-omni-node", ""), peer
-            )
-        except AuthFailure as exc:
+            self.node = await database_sync_to_async(agent_from_headers)(headers, peer)
+        except AgentAuthFailure as exc:
             await self.send_frame(error_frame("unauthorized", str(exc)))
-            await self.close(code=exc.code)
+            await self.close(code=exc.close_code)
             return
         self.group = agent_group(self.node.id)
         websocket_opened("agent")
@@ -177,6 +177,6 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=protocol.CLOSE_REPLACED)
 
     async def agent_commands(self, event: dict[str, Any]) -> None:
-        """Commands dispatched to this node's group (``jobs.tasks.dispatch_node_commands``)."""
+        """Commands dispatched to this node's group (``jobs.actions.commands.send_node_commands``)."""
         for frame in event["frames"]:
             await self.send_frame(frame)

@@ -14,7 +14,8 @@ from django.core.exceptions import ValidationError
 from django.db.models import Q, TextField
 from django.db.models.functions import Cast
 
-from jobs.models import EventKind, Job, JobState, PlannerControl, Priority, Reservation
+from jobs.models import Job, JobState, PlannerControl, Priority, Reservation
+from jobs.vocab import EVENT_KIND_LABELS, choices
 
 STATE_GROUPS = {
     "active": ("running", "checkpointing", "resizing", "recovering", "pending", "preempted"),
@@ -65,7 +66,7 @@ class AuditFilterForm(forms.Form):
                                 widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
     job = forms.CharField(required=False, max_length=128)
     node = forms.CharField(required=False, max_length=64)
-    kind = forms.MultipleChoiceField(required=False, choices=EventKind.choices, widget=forms.CheckboxSelectMultiple)
+    kind = forms.MultipleChoiceField(required=False, choices=choices(EVENT_KIND_LABELS), widget=forms.CheckboxSelectMultiple)
     actor = forms.CharField(required=False, max_length=150)
     planner_run = forms.UUIDField(required=False)
 

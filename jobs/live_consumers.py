@@ -3,12 +3,15 @@
 ``/ws/live/`` accepts only signed-in users with an Omni role. The page then sends
 ``{"action": "subscribe", "stream": "job", "id": 7}`` (streams: ``cluster``, ``audit``,
 ``job``, ``node``) and each subscribe is checked against the user's roles, like AWX's
-consumers: a researcher may follow only their own jobs, only operators and auditors follow the
-audit log. Messages from :mod:`jobs.live` arrive through ``live_message`` and go out as
-``{"type": "live", "event": ..., "payload": ...}``. Telemetry frames are throttled: at most one
-frame per ``FRAME_INTERVAL_S`` per socket, later samples batched into the next frame
-(``{"type": "live", "event": ..., "batch": [payload, ...]}``), so a busy job cannot flood a
-browser (AWX ``MAX_WEBSOCKET_EVENT_RATE``). See docs/live-ui.md.
+consumers: a job's stream only by those who may see it in full (``roles.job_visibility``), the
+audit log only by operators and auditors. Messages from :mod:`jobs.live` arrive through
+``live_message`` and go out as ``{"type": "live", "event": ..., "payload": ...}``; a group's
+message is the same for every socket, so each is first cut to what this viewer may see
+(:func:`payload_for_viewer`): someone else's job on the cluster stream as its summary, or not
+at all. Telemetry frames are throttled: at most one frame per ``FRAME_INTERVAL_S`` per socket,
+later samples batched into the next frame (``{"type": "live", "event": ..., "batch":
+[payload, ...]}``), so a busy job cannot flood a browser (AWX ``MAX_WEBSOCKET_EVENT_RATE``).
+See docs/live-ui.md.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -33,6 +37,8 @@ logger = logging.getLogger(__name__)
 TELEMETRY_EVENTS = frozenset({"gpu_samples", "step_records", "telemetry", "gpu", "steps"})
 MAX_SUBSCRIPTIONS = 256
 MAX_BUFFERED_PAYLOADS = 5000
+# Job owners remembered per socket (owners never change); beyond this the memory starts over.
+MAX_KNOWN_OWNERS = 10_000
 
 CLOSE_NOT_SIGNED_IN = 4401
 CLOSE_NO_ROLE = 4403
@@ -51,17 +57,59 @@ def _subscription_check(user, stream: str, object_id: Any) -> tuple[str | None, 
     except (TypeError, ValueError):
         return None, 400, f"stream {stream!r} needs a numeric id"
     if stream == "job":
-        job = Job.objects.filter(pk=pk).only("id", "owner_id").first()
+        job = roles.visible_jobs(user, Job.objects.filter(pk=pk)).only("id", "owner_id").first()
         if job is None:
             return None, 404, f"no job {pk}"
-        if roles.is_operator(user) or roles.is_auditor(user) or job.owner_id == user.pk:
+        if roles.job_visibility(user, job) is roles.Visibility.FULL:
             return job_group(pk), 200, "ok"
-        return None, 403, "researchers may follow only their own jobs"
+        return None, 403, "a job's stream is for its owner, operators and auditors; its summary is on the cluster stream"
     if stream == "node":
         if not Node.objects.filter(pk=pk).exists():
             return None, 404, f"no node {pk}"
         return node_group(pk), 200, "ok"
     return None, 400, f"unknown stream {stream!r}; expected cluster, audit, job or node"
+
+
+def _job_ids(event: str, payload: dict[str, Any]) -> set[int]:
+    """The jobs a group message names: a summary's id, the holders of a node's GPUs, a sample's job."""
+    if event == "job":
+        return {payload["id"]} if isinstance(payload.get("id"), int) else set()
+    if event == "node":
+        return {g["job_id"] for g in payload.get("gpus", ()) if isinstance(g.get("job_id"), int)}
+    if event in TELEMETRY_EVENTS:
+        return {payload["job"]} if isinstance(payload.get("job"), int) else set()
+    return set()
+
+
+def payload_for_viewer(event: str, payload: Any, visibility: Callable[[int], roles.Visibility]) -> Any:
+    """``payload`` as a viewer may see it, given ``visibility(job_id)``; None: not at all.
+
+    Only group messages any role may receive need cutting: ``job`` and ``node`` on the cluster
+    stream, ``node`` and GPU samples on a node's. A job's own stream (``job_event``, step records)
+    and the audit stream are joined only by those who see everything in them.
+    """
+    if not isinstance(payload, dict):
+        return payload
+    if event == "job":
+        seen = visibility(payload["id"]) if isinstance(payload.get("id"), int) else roles.Visibility.FULL
+        if seen is roles.Visibility.FULL:
+            return payload
+        return roles.summarise(payload) if seen is roles.Visibility.SUMMARY else None
+    if event == "node":
+        gpus = []
+        for gpu in payload.get("gpus", ()):
+            if isinstance(gpu.get("job_id"), int) and visibility(gpu["job_id"]) is roles.Visibility.NONE:
+                gpu = {**gpu, "job": None, "job_id": None, "held": True}  # the class stays: occupancy
+            gpus.append(gpu)
+        return {**payload, "gpus": gpus}
+    if event in TELEMETRY_EVENTS and isinstance(payload.get("job"), int):
+        if visibility(payload["job"]) is roles.Visibility.NONE:
+            return {key: value for key, value in payload.items() if key != "job"}
+    return payload
+
+
+def _job_owners(job_ids: set[int]) -> dict[int, int]:
+    return dict(Job.objects.filter(pk__in=job_ids).values_list("id", "owner_id"))
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
@@ -83,6 +131,10 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         if not await database_sync_to_async(roles.has_any_role)(user):
             await self.close(code=CLOSE_NO_ROLE)
             return
+        # What this viewer sees of jobs that are not theirs: when that is everything, no message
+        # needs cutting and no owner is ever looked up.
+        self.others_visibility = roles.owner_visibility(user, None)
+        self.job_owners: dict[int, int] = {}
         await self.accept()
         self.counted = True
         websocket_opened("live")
@@ -131,9 +183,23 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     # -- messages from jobs.live ---------------------------------------------------------------
 
+    async def _for_viewer(self, event: str, payload: Any) -> Any:
+        """The payload cut for this socket's user (None: drop it), owners looked up once per job."""
+        if self.others_visibility is roles.Visibility.FULL or not isinstance(payload, dict):
+            return payload
+        unknown = _job_ids(event, payload) - self.job_owners.keys()
+        if unknown:
+            if len(self.job_owners) > MAX_KNOWN_OWNERS:
+                self.job_owners.clear()
+            self.job_owners.update(await database_sync_to_async(_job_owners)(unknown))
+        user = self.scope["user"]
+        return payload_for_viewer(event, payload, lambda job_id: roles.owner_visibility(user, self.job_owners.get(job_id)))
+
     async def live_message(self, message: dict[str, Any]) -> None:
         event = message.get("event", "")
-        payload = message.get("payload")
+        payload = await self._for_viewer(event, message.get("payload"))
+        if payload is None:
+            return
         if event in TELEMETRY_EVENTS:
             self._buffer(event, payload)
             now = time.monotonic()

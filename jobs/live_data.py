@@ -273,11 +273,13 @@ def loans_by_reservation() -> dict[int, list[dict[str, Any]]]:
     loans: dict[tuple[int, int], dict[str, Any]] = {}
     rows = (
         Allocation.objects.filter(borrowed_from__isnull=False)
-        .values_list("borrowed_from_id", "job_id", "job__name", "job__priority", "since", "loan_until")
+        .values_list("borrowed_from_id", "job_id", "job__name", "job__owner_id", "job__priority", "since",
+                     "loan_until")
     )
-    for reservation_id, job_id, job_name, priority, since, until in rows:
+    for reservation_id, job_id, job_name, owner_id, priority, since, until in rows:
         loan = loans.setdefault((reservation_id, job_id), {
-            "job": job_name, "job_id": job_id, "priority": priority, "gpus": 0, "since": since, "until": until,
+            "job": job_name, "job_id": job_id, "owner_id": owner_id, "priority": priority, "gpus": 0,
+            "since": since, "until": until,
         })
         loan["gpus"] += 1
         loan["since"] = min(loan["since"], since)

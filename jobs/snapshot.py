@@ -8,8 +8,7 @@ planner's production clock. ``planner_config`` builds the knobs from ``PlannerCo
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import Any
+from datetime import datetime
 
 from django.conf import settings
 
@@ -23,11 +22,6 @@ from jobs.planner.config import PlannerConfig
 def epoch_s(value: datetime | None) -> float | None:
     """A timezone-aware datetime as Unix seconds (``None`` stays ``None``)."""
     return value.timestamp() if value is not None else None
-
-
-def from_epoch_s(value: float | None) -> datetime | None:
-    """Unix seconds back to an aware UTC datetime."""
-    return datetime.fromtimestamp(value, tz=UTC) if value is not None else None
 
 
 def planner_config(control: PlannerControl | None = None) -> PlannerConfig:
@@ -177,13 +171,3 @@ def load_snapshot(now: datetime) -> ps.Snapshot:
         ),
         paused=control.paused,
     )
-
-
-def snapshot_summary(snapshot: ps.Snapshot) -> dict[str, Any]:
-    """A few counts for the PlannerRun row."""
-    return {
-        "nodes": len(snapshot.nodes),
-        "jobs": len(snapshot.jobs),
-        "reservations": len(snapshot.reservations),
-        "commands_in_flight": len(snapshot.commands),
-    }

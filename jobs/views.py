@@ -119,30 +119,39 @@ def _page_context(request: HttpRequest, section: str) -> dict[str, Any]:
 @require_GET
 @any_role
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """My jobs (everyone's for operators and auditors) with progress, ETA and the last word."""
+    """My jobs (everyone's for operators and auditors) with progress, ETA and the last word.
+
+    Every row is a job ``roles.visible_jobs`` lets the viewer see; a row they may only
+    summarise (someone else's job, ``OMNI_JOB_VISIBILITY=summary``) shows its name, owner,
+    class, state and GPUs, without a link and without the rest.
+    """
     user = request.user
     default_mine = roles.is_researcher(user) and not (roles.is_operator(user) or roles.is_auditor(user))
     form = JobFilterForm(request.GET)
     form.is_valid()
     jobs_qs = form.filter(
-        Job.objects.select_related("owner").annotate(
+        roles.visible_jobs(user, Job.objects.select_related("owner").annotate(
             gpus=Count("allocations"),
             borrowed=Count("allocations", filter=Q(allocations__borrowed_from__isnull=False)),
-        ),
+        )),
         user,
         default_mine,
     ).order_by(CLASS_ORDER, "-submitted_at")
     jobs = list(jobs_qs[:200])
-    ids = [job.pk for job in jobs]
-    rhythm = measured_step_s(ids)
-    newest = last_events(ids)
-    holds = last_holds([job.pk for job in jobs if job.state in (JobState.PENDING, JobState.PREEMPTED)])
+    full = {job.pk for job in jobs if roles.job_visibility(user, job) is roles.Visibility.FULL}
+    rhythm = measured_step_s(full)
+    newest = last_events(full)
+    holds = last_holds([job.pk for job in jobs if job.pk in full and job.state in (JobState.PENDING, JobState.PREEMPTED)])
     rows = []
     for job in jobs:
+        if job.pk not in full:
+            rows.append({"job": job, "full": False})
+            continue
         seconds_left, measured = eta(job, rhythm.get(job.pk))
         last = newest.get(job.pk)
         rows.append({
             "job": job,
+            "full": True,
             "eta": human_duration(seconds_left),
             "eta_measured": measured,
             "step_s": rhythm.get(job.pk, job.step_s),
@@ -157,6 +166,9 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "rows": rows,
         "truncated": len(jobs) == 200,
         "default_mine": default_mine,
+        "show_owner": any(job.owner_id != user.pk for job in jobs) or not default_mine,
+        # With OMNI_JOB_VISIBILITY=own a researcher sees no one else's jobs: no "Everyone's".
+        "sees_others": roles.owner_visibility(user, None) > roles.Visibility.NONE,
         "counts": {
             "running": sum(counts.get(s, 0) for s in ("running", "checkpointing", "resizing", "recovering")),
             "waiting": counts.get("pending", 0) + counts.get("preempted", 0),
@@ -172,10 +184,12 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 
 
 def _job_for(request: HttpRequest, pk: int) -> Job:
-    job = get_object_or_404(Job.objects.select_related("owner"), pk=pk)
-    user = request.user
-    if not (roles.is_operator(user) or roles.is_auditor(user) or job.owner_id == user.pk):
-        raise PermissionDenied("researchers may open only their own jobs")
+    """The job if the viewer may open its page: 404 when they may not know of it, 403 when they
+    may only see its summary (no page links there: ``{% job_link %}`` renders plain text)."""
+    job = get_object_or_404(roles.visible_jobs(request.user, Job.objects.select_related("owner")), pk=pk)
+    if roles.job_visibility(request.user, job) is not roles.Visibility.FULL:
+        raise PermissionDenied(f"{job.name} belongs to {job.owner.username}: its details are visible to its owner, "
+                               "operators and auditors; its summary is on the jobs list")
     return job
 
 
@@ -241,7 +255,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @any_role
 def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     """Cancel a job (owner or operator); an illegal move is explained, not raised."""
-    job = get_object_or_404(Job, pk=pk)
+    job = get_object_or_404(roles.visible_jobs(request.user, Job.objects), pk=pk)
     try:
         actions.cancel_job(job, request.user)
         messages.success(request, f"Cancelled {job.name}.")
@@ -253,19 +267,23 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
 # -- operators: the console ---------------------------------------------------------------------
 
 
-def _cluster_map(nodes: list[Node]) -> list[dict[str, Any]]:
+def _cluster_map(user, nodes: list[Node]) -> list[dict[str, Any]]:
+    """Racks -> switches -> nodes -> GPUs; a GPU held by a job the viewer may not see shows its
+    class (the cluster's occupancy) but not the job."""
     racks: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for node in nodes:
         held = {a.gpu_index: a for a in node.allocations.all()}
         gpus = []
         for index in range(node.gpu_count):
             allocation = held.get(index)
+            known = allocation is not None and roles.job_visibility(user, allocation.job) > roles.Visibility.NONE
             gpus.append({
                 "index": index,
-                "job": allocation.job.name if allocation else None,
-                "job_id": allocation.job_id if allocation else None,
+                "job": allocation.job.name if known else None,
+                "job_id": allocation.job_id if known else None,
                 "priority": allocation.job.priority if allocation else None,
                 "borrowed": bool(allocation and allocation.borrowed_from_id),
+                "held": allocation is not None,
             })
         racks.setdefault(node.rack, {}).setdefault(node.switch, []).append({"node": node, "gpus": gpus})
     return [{"rack": rack, "switches": [{"switch": s, "nodes": n} for s, n in switches.items()]}
@@ -275,15 +293,22 @@ def _cluster_map(nodes: list[Node]) -> list[dict[str, Any]]:
 @require_GET
 @any_role
 def console(request: HttpRequest) -> HttpResponse:
-    """The cluster map, planner controls, reservations timeline, utilisation and the queue."""
+    """The cluster map, planner controls, reservations timeline, utilisation and the queue.
+
+    Jobs appear as ``roles.job_visibility`` allows: the queue lists the jobs the viewer may see
+    (the reason a job waits only for those seen in full), and GPUs, reservations and loans of
+    jobs the viewer may not see name no job.
+    """
+    user = request.user
     now = timezone.now()
     allocations = Allocation.objects.select_related("job").order_by("gpu_index")
     nodes = list(Node.objects.prefetch_related(Prefetch("allocations", allocations)).order_by("rack", "switch", "name"))
     queue = list(
-        Job.objects.filter(state__in=(JobState.PENDING, JobState.PREEMPTED)).select_related("owner")
-        .order_by(CLASS_ORDER, "submitted_at")[:200]
+        roles.visible_jobs(user, Job.objects.filter(state__in=(JobState.PENDING, JobState.PREEMPTED)))
+        .select_related("owner").order_by(CLASS_ORDER, "submitted_at")[:200]
     )
-    holds = last_holds(job.pk for job in queue)
+    full = {job.pk for job in queue if roles.job_visibility(user, job) is roles.Visibility.FULL}
+    holds = last_holds(full)
     reservations = list(
         Reservation.objects.select_related("job").filter(
             Q(end_at__isnull=True) | Q(end_at__gte=now - timedelta(hours=6)), cancelled_at__isnull=True
@@ -293,11 +318,10 @@ def console(request: HttpRequest) -> HttpResponse:
     loans = loans_by_reservation()
     gantt = [
         {
-            "name": r.name, "job": r.job.name, "gpus": r.gpus, "spares": r.spares,
+            "name": r.name, "job": roles.job_name_for(user, r.job.name, r.job.owner_id), "gpus": r.gpus,
+            "spares": r.spares,
             "windows": [[s.isoformat(), e.isoformat()] for s, e in reservation_windows(r, since, until)],
-            "loans": [{**loan, "since": loan["since"].isoformat(),
-                       "until": loan["until"].isoformat() if loan["until"] else until.isoformat()}
-                      for loan in loans.get(r.pk, [])],
+            "loans": [_gantt_loan(user, loan, until) for loan in loans.get(r.pk, [])],
         }
         for r in reservations
     ]
@@ -305,13 +329,13 @@ def console(request: HttpRequest) -> HttpResponse:
     gpus_total = sum(node.gpu_count for node in nodes)
     context = {
         **_page_context(request, "console"),
-        "racks": _cluster_map(nodes),
+        "racks": _cluster_map(user, nodes),
         "node_count": len(nodes),
         "health_counts": _health_counts(nodes),
         "gpus_total": gpus_total,
         "gpus_used": sum(len(node.allocations.all()) for node in nodes),
         "gpus_borrowed": sum(1 for node in nodes for a in node.allocations.all() if a.borrowed_from_id),
-        "queue": [{"job": job, "why": pending_reason(job, holds.get(job.pk)),
+        "queue": [{"job": job, "why": pending_reason(job, holds.get(job.pk)) if job.pk in full else "",
                    "waiting": human_duration((now - job.state_changed_at).total_seconds())} for job in queue],
         "reservations": reservations,
         "control": control,
@@ -325,6 +349,16 @@ def console(request: HttpRequest) -> HttpResponse:
         },
     }
     return render(request, "jobs/console.html", context)
+
+
+def _gantt_loan(user, loan: dict[str, Any], until) -> dict[str, Any]:
+    """A loan on the reservations Gantt, naming the borrower only if the viewer may know it."""
+    known = roles.owner_visibility(user, loan["owner_id"]) > roles.Visibility.NONE
+    return {
+        "job": loan["job"] if known else roles.HIDDEN_JOB, "job_id": loan["job_id"] if known else None,
+        "priority": loan["priority"], "gpus": loan["gpus"], "since": loan["since"].isoformat(),
+        "until": loan["until"].isoformat() if loan["until"] else until.isoformat(),
+    }
 
 
 def _health_counts(nodes: list[Node]) -> list[tuple[str, str, int]]:

@@ -1,5 +1,5 @@
 """Every periodic task in one place: Celery beat reads it in production, and the embedded mode's
-in-process loop (jobs.loop) runs the very same task functions on the same intervals."""
+in-process loop (omniweb.loop) runs the very same task functions on the same intervals."""
 
 from __future__ import annotations
 

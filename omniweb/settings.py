@@ -68,6 +68,12 @@ try:
     OMNI_PLANNER_PASS_HOLD_S = env_float("OMNI_PLANNER_PASS_HOLD_S", 0.0, minimum=0.0)
     # Run the periodic tasks in-process (embedded mode) instead of Celery beat.
     OMNI_INPROCESS_LOOP = env_bool("OMNI_INPROCESS_LOOP", default=REDIS_URL is None)
+    # What a researcher sees of other people's jobs (jobs.roles.job_visibility, docs/live-ui.md):
+    # "summary" (in lists: name, owner, class, state, GPUs; details only of their own, like
+    # Slurm's PrivateData=jobs), "all" (everything), "own" (nothing of others' jobs).
+    OMNI_JOB_VISIBILITY = env_str("OMNI_JOB_VISIBILITY", "summary")
+    if OMNI_JOB_VISIBILITY not in ("summary", "all", "own"):
+        raise EnvError(f"OMNI_JOB_VISIBILITY: expected summary/all/own, got {OMNI_JOB_VISIBILITY!r}")
     # --- telemetry (docs/telemetry.md) -------------------------------------------------------
     OMNI_TELEMETRY_RAW_RETENTION_H = env_int("OMNI_TELEMETRY_RAW_RETENTION_H", 48, minimum=1)
     OMNI_TELEMETRY_MINUTE_RETENTION_D = env_int("OMNI_TELEMETRY_MINUTE_RETENTION_D", 30, minimum=1)
@@ -149,7 +155,7 @@ else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
 # Celery: Redis as broker in production; in embedded mode tasks run eagerly in-process, and the
-# periodic ones are driven by jobs.loop (the same task functions Celery would call).
+# periodic ones are driven by omniweb.loop (the same task functions Celery would call).
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
 CELERY_TASK_EAGER_PROPAGATES = True
@@ -164,7 +170,6 @@ CELERY_TASK_ROUTES = {
     "jobs.plan_tick": {"queue": "planner"},
     "jobs.monitor_heartbeats": {"queue": "control"},
     "jobs.sweep_commands": {"queue": "control"},
-    "jobs.dispatch_node_commands": {"queue": "control"},
     "telemetry.roll_up": {"queue": "telemetry"},
     "telemetry.maintain_partitions": {"queue": "telemetry"},
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from jobs import roles
 from jobs.models import Allocation, ElasticEvent, Job, Node, Priority, Reservation
 
 
@@ -17,6 +18,8 @@ class AllocationSerializer(serializers.ModelSerializer):
 
 
 class JobSerializer(serializers.ModelSerializer):
+    """A job in full, or its summary (``roles.summarise``) for a viewer who may see only that."""
+
     owner = serializers.CharField(source="owner.username", read_only=True)
     gpus = serializers.SerializerMethodField()
     allocations = AllocationSerializer(many=True, read_only=True)
@@ -34,6 +37,13 @@ class JobSerializer(serializers.ModelSerializer):
 
     def get_gpus(self, job: Job) -> int:
         return len(job.allocations.all())
+
+    def to_representation(self, job: Job) -> dict:
+        data = super().to_representation(job)
+        request = self.context.get("request")
+        if request is not None and roles.job_visibility(request.user, job) is not roles.Visibility.FULL:
+            return roles.summarise(data)
+        return {**data, "visibility": "full"}
 
 
 class JobSubmitSerializer(serializers.Serializer):
@@ -103,6 +113,13 @@ class ReservationSerializer(serializers.ModelSerializer):
         # Uniqueness is checked by the action, with a clearer message.
         extra_kwargs = {"name": {"validators": []}, "gpus": {"min_value": 1}, "period_s": {"min_value": 1},
                         "active_s": {"min_value": 1}}
+
+    def to_representation(self, reservation: Reservation) -> dict:
+        data = super().to_representation(reservation)
+        request = self.context.get("request")
+        if request is not None and roles.job_visibility(request.user, reservation.job) is roles.Visibility.NONE:
+            data["job"] = None  # a job the viewer may not know of (OMNI_JOB_VISIBILITY=own)
+        return data
 
 
 class ElasticEventSerializer(serializers.ModelSerializer):

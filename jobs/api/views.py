@@ -44,14 +44,21 @@ def _time_filter(request: Request, name: str):
 
 
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
-    """Jobs: everyone with a role reads; researchers submit and cancel their own."""
+    """Jobs: everyone with a role reads what ``roles.job_visibility`` allows; researchers submit
+    and cancel their own.
+
+    A job the user may not know of is a 404 (list: absent); one they may only summarise comes
+    with its summary fields and ``"visibility": "summary"`` (list and detail alike).
+    """
 
     serializer_class = JobSerializer
     permission_classes = [HasRole]
 
     def get_queryset(self) -> QuerySet[Job]:
         allocations = Allocation.objects.select_related("node", "borrowed_from").order_by("node__name", "gpu_index")
-        queryset = Job.objects.select_related("owner").prefetch_related(Prefetch("allocations", allocations))
+        queryset = roles.visible_jobs(
+            self.request.user, Job.objects.select_related("owner").prefetch_related(Prefetch("allocations", allocations))
+        )
         if self.action != "list":
             return queryset
         params = self.request.query_params
@@ -86,13 +93,13 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         submit = JobSubmitSerializer(data=request.data)
         submit.is_valid(raise_exception=True)
         job = actions.submit_job(request.user, **submit.validated_data)
-        return Response(JobSerializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_201_CREATED)
+        return Response(self.get_serializer(self.get_queryset().get(pk=job.pk)).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={200: JobSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk=None) -> Response:
         job = actions.cancel_job(self.get_object(), request.user)
-        return Response(JobSerializer(self.get_queryset().get(pk=job.pk)).data)
+        return Response(self.get_serializer(self.get_queryset().get(pk=job.pk)).data)
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -158,7 +165,9 @@ class ReservationViewSet(
 
 
 class ElasticEventViewSet(viewsets.ReadOnlyModelViewSet):
-    """The audit log: operators and auditors read everything, researchers their own jobs' rows."""
+    """The audit log: operators and auditors read everything, researchers the rows of the jobs
+    they may see in full (``roles.visible_jobs``: their own, or every job's with
+    ``OMNI_JOB_VISIBILITY=all``)."""
 
     serializer_class = ElasticEventSerializer
     permission_classes = [AuditReader]
@@ -167,7 +176,7 @@ class ElasticEventViewSet(viewsets.ReadOnlyModelViewSet):
         queryset = ElasticEvent.objects.order_by("-id")
         user = self.request.user
         if not roles.can_read_audit(user):
-            queryset = queryset.filter(job__owner=user)
+            queryset = roles.visible_jobs(user, queryset, roles.Visibility.FULL, via="job")
         params = self.request.query_params
         if job := params.get("job"):
             queryset = queryset.filter(job_name=job)

@@ -12,36 +12,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
-
-class EventKind(models.TextChoices):
-    SUBMIT = "submit", "Submitted"
-    PLACE = "place", "Placed"
-    LEND = "lend", "Lent reserved GPUs"
-    PREEMPT = "preempt", "Preempted"
-    SHRINK = "shrink", "Shrunk"
-    GROW = "grow", "Grown"
-    RECLAIM = "reclaim", "Reclaimed a loan"
-    RECOVER = "recover", "Recovered"
-    MIGRATE = "migrate", "Migrated"
-    RECONFIGURE = "reconfigure", "Reconfigured"
-    HOLD = "hold", "Held pending"
-    CANCEL = "cancel", "Cancelled"
-    COMPLETE = "complete", "Completed"
-    FAIL = "fail", "Failed"
-    CHECKPOINT = "checkpoint", "Checkpoint saved"
-    ACK = "ack", "Command acknowledged"
-    OUTCOME = "outcome", "Command outcome"
-    KILL = "kill", "Killed past deadline"
-    DRAIN = "drain", "Node drained"
-    CORDON = "cordon", "Node cordoned"
-    UNCORDON = "uncordon", "Node uncordoned"
-    NODE_SUSPECT = "node_suspect", "Node suspect"
-    NODE_FAILED = "node_failed", "Node failed"
-    NODE_REPAIRED = "node_repaired", "Node repaired"
-    RESERVE = "reserve", "Reservation created"
-    RESERVATION_CHANGE = "reservation_change", "Reservation changed"
-    RESERVATION_CANCEL = "reservation_cancel", "Reservation cancelled"
-    OVERRIDE = "override", "Planner override"
+from jobs.vocab import EVENT_KIND_LABELS, choices
 
 
 class AppendOnlyQuerySet(models.QuerySet):
@@ -58,7 +29,7 @@ class ElasticEvent(models.Model):
     """One audit record: what was decided or happened, by whom, why, and the before/after."""
 
     at = models.DateTimeField(db_index=True)
-    kind = models.CharField(max_length=24, choices=EventKind.choices, db_index=True)
+    kind = models.CharField(max_length=24, choices=choices(EVENT_KIND_LABELS), db_index=True)
     job = models.ForeignKey(
         "jobs.Job", on_delete=models.PROTECT, null=True, blank=True, related_name="events"
     )

@@ -68,11 +68,13 @@ class Node(models.Model):
     def is_schedulable(self) -> bool:
         return self.state in SCHEDULABLE_NODE_STATES
 
-    def transition_to(self, target: str) -> None:
-        """Move to ``target`` or raise IllegalTransition; the caller saves."""
+    def transition_to(self, target: str) -> list[str]:
+        """Move to ``target`` or raise IllegalTransition; return the fields changed, for the
+        caller's ``save(update_fields=...)``."""
         check_transition(NODE_TRANSITIONS, "Node", self.name, self.state, target)
         self.state = target
         self.state_changed_at = timezone.now()
+        return ["state", "state_changed_at"]
 
     def issue_token(self) -> str:
         """Make a new agent token, keep only its hash, and return it (shown once)."""
@@ -114,7 +116,3 @@ class Allocation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.name}/gpu{self.gpu_index} -> {self.job.name}"
-
-    @property
-    def is_borrowed(self) -> bool:
-        return self.borrowed_from_id is not None

@@ -12,14 +12,7 @@ from django.db import models
 from django.utils import timezone
 
 from jobs.models.states import check_transition
-
-
-class CommandKind(models.TextChoices):
-    START = "start", "Start"
-    PREEMPT = "preempt", "Preempt (checkpoint, then release)"
-    RESIZE = "resize", "Resize"
-    RESUME = "resume", "Resume"
-    STOP = "stop", "Stop"
+from jobs.vocab import COMMAND_KIND_LABELS, choices
 
 
 class CommandState(models.TextChoices):
@@ -53,7 +46,7 @@ class Command(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     node = models.ForeignKey("jobs.Node", on_delete=models.PROTECT, related_name="commands")
     job = models.ForeignKey("jobs.Job", on_delete=models.PROTECT, null=True, blank=True, related_name="commands")
-    kind = models.CharField(max_length=16, choices=CommandKind.choices)
+    kind = models.CharField(max_length=16, choices=choices(COMMAND_KIND_LABELS))
     payload = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=16, choices=CommandState.choices, default=CommandState.PENDING)
     attempts = models.PositiveSmallIntegerField(default=0)
@@ -78,15 +71,21 @@ class Command(models.Model):
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_COMMAND_STATES
 
-    def transition_to(self, target: str) -> None:
-        """Move to ``target`` or raise IllegalTransition, stamping the matching time."""
+    def transition_to(self, target: str) -> list[str]:
+        """Move to ``target`` or raise IllegalTransition, stamping the matching time; return the
+        fields changed, for the caller's ``save(update_fields=...)``."""
         check_transition(COMMAND_TRANSITIONS, "Command", str(self.id), self.state, target)
         now = timezone.now()
+        changed = ["state"]
         if target == CommandState.SENT:
             self.sent_at = now
             self.attempts += 1
+            changed += ["sent_at", "attempts"]
         elif target == CommandState.ACKED:
             self.acked_at = now
+            changed.append("acked_at")
         elif target in TERMINAL_COMMAND_STATES:
             self.finished_at = now
+            changed.append("finished_at")
         self.state = target
+        return changed

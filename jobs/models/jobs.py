@@ -179,17 +179,22 @@ class Job(models.Model):
         self.dp = dp
         self.accum_steps = self.global_batch // (self.micro_batch * dp)
 
-    def transition_to(self, target: str) -> None:
-        """Move to ``target`` or raise IllegalTransition; the caller saves with update_fields."""
+    def transition_to(self, target: str) -> list[str]:
+        """Move to ``target`` or raise IllegalTransition; return the fields changed, for the
+        caller's ``save(update_fields=...)``."""
         check_transition(JOB_TRANSITIONS, "Job", self.name, self.state, target)
         now = timezone.now()
+        changed = ["state", "state_changed_at"]
         if target == JobState.RUNNING and self.state != JobState.RUNNING:
             self.started_at = now
             self.first_started_at = self.first_started_at or now
+            changed += ["started_at", "first_started_at"]
         if target in TERMINAL_JOB_STATES:
             self.finished_at = now
+            changed.append("finished_at")
         self.state = target
         self.state_changed_at = now
+        return changed
 
     def clean(self) -> None:
         errors: dict[str, str] = {}

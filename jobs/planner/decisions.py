@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.planner.snapshot import Gpu
+from jobs.vocab import ActionKind
 
 
 def _jsonable(value: Any) -> Any:
@@ -43,7 +44,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-ACTION_KINDS = ("place", "lend", "preempt", "shrink", "grow", "reclaim", "recover", "migrate", "hold")
+ACTION_KINDS = tuple(ActionKind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ class Reason:
 class Action:
     """One decision about one job; see the module docstring for what each kind means."""
 
-    kind: str
+    kind: ActionKind  # a plain string of the same value compares (and serialises) equal
     job: str
     reason: Reason
     gpus_before: tuple[Gpu, ...] = ()

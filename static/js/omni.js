@@ -196,6 +196,8 @@
     const gpus = $("[data-field=gpus]", row);
     gpus.replaceChildren(document.createTextNode(String(job.gpus)));
     if (job.borrowed_gpus) gpus.append(" ", el("span", {class: "pill borrowed", text: job.borrowed_gpus + " on loan"}));
+    // Someone else's job under OMNI_JOB_VISIBILITY=summary: the server sent its summary only.
+    if (job.visibility === "summary") { flash(row); return; }
     $("[data-field=layout]", row).textContent = job.dp + " × " + job.accum_steps;
     $("[data-field=steps]", row).textContent = job.committed_steps;
     $(".bar > span", row).style.width = (100 * job.progress).toFixed(1) + "%";
@@ -212,11 +214,25 @@
   function dashboard() {
     const live = new LiveSocket();
     const rows = {};
-    $$("#jobs tr[data-job-id]").forEach((row) => { rows[row.dataset.jobId] = row; live.subscribe("job", Number(row.dataset.jobId)); });
+    let summaries = false;
+    // A job's own stream for rows seen in full; rows only summarised (someone else's job) follow
+    // the cluster stream, whose job payloads the server cuts to the summary for this viewer.
+    $$("#jobs tr[data-job-id]").forEach((row) => {
+      rows[row.dataset.jobId] = row;
+      if (row.dataset.detail === "full") live.subscribe("job", Number(row.dataset.jobId));
+      else summaries = true;
+    });
     live.on("job_event", (payloads) => payloads.forEach((p) => {
       const row = rows[String(p.job.id)];
       if (row) updateJobRow(row, p.job, p.event.text);
     }));
+    if (summaries) {
+      live.subscribe("cluster");
+      live.on("job", (payloads) => payloads.forEach((job) => {
+        const row = rows[String(job.id)];
+        if (row && row.dataset.detail !== "full") updateJobRow(row, job, null);
+      }));
+    }
   }
 
   // -- job page ------------------------------------------------------------------------------------
@@ -448,7 +464,7 @@
         if (!cells[i]) return;
         cells[i].className = "gpu" + (g.priority ? " p-" + g.priority : "") + (g.borrowed ? " borrowed" : "");
         cells[i].dataset.job = g.job || "";
-        cells[i].title = "gpu" + g.index + ": " + (g.job ? g.job + (g.borrowed ? " (borrowed)" : "") : "free");
+        cells[i].title = "gpu" + g.index + ": " + (g.job ? g.job + (g.borrowed ? " (borrowed)" : "") : (g.held ? "another user's job" : "free"));
       });
       if (button === selected) showNode(button);
     }));

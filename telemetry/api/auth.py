@@ -1,9 +1,10 @@
 """Per-node agent authentication for the ingestion endpoints.
 
-An agent sends ``Authorization: Bearer <agent token>`` and ``X-Omni-Node: <node name>``; the
-token is checked against the node's stored hash (``Node.token_matches``; tokens come from
-``manage.py issue_agent_token``). No credentials: 401. Wrong token or unknown node: 403, with
-one message for both so node names cannot be probed.
+An agent sends ``Authorization: Bearer <agent token>`` and ``X-Omni-Node: <node name>``; both are
+checked by ``jobs.agent_auth.agent_from_headers``, the same function the agent socket and its
+HTTP fallback use (tokens come from ``manage.py issue_agent_token``). Here the node header is
+required. No credentials: 401. Wrong token or unknown node: 403, with one message for both so
+node names cannot be probed.
 """
 
 from __future__ import annotations
@@ -13,28 +14,21 @@ from rest_framework.authentication import BaseAuthentication
 from rest_framework.exceptions import AuthenticationFailed, PermissionDenied
 from rest_framework.permissions import BasePermission
 
+from jobs.agent_auth import AgentAuthFailure, agent_from_headers, request_headers
 from jobs.models import Node
-
-NODE_HEADER = "HTTP_X_OMNI_NODE"
 
 
 class NodeTokenAuthentication(BaseAuthentication):
     """Authenticates a node agent; ``request.auth`` is the Node, ``request.user`` anonymous."""
 
-    def authenticate(self, request) -> tuple[AnonymousUser, Node] | None:
-        header = request.META.get("HTTP_AUTHORIZATION", "")
-        if not header:
-            return None
-        scheme, _, token = header.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise AuthenticationFailed("expected 'Authorization: Bearer <agent token>'")
-        name = request.META.get(NODE_HEADER, "").strip()
-        if not name:
-            raise AuthenticationFailed("missing the X-Omni-Node header naming the sending node")
-        node = Node.objects.filter(name=name).first()
-        if node is None or not node.token_matches(token):
-            raise PermissionDenied("agent token does not match this node")
+    def authenticate(self, request) -> tuple[AnonymousUser, Node]:
+        try:
+            node = agent_from_headers(request_headers(request), request.META.get("REMOTE_ADDR", "?"),
+                                      node_header_required=True)
+        except AgentAuthFailure as exc:
+            if exc.missing:
+                raise AuthenticationFailed(str(exc)) from None
+            raise PermissionDenied(str(exc)) from None
         return AnonymousUser(), node
 
     def authenticate_header(self, request) -> str:

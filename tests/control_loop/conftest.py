@@ -117,7 +117,7 @@ class Cluster:
 
     def start_agent(self, node: str, token: str, *, gpus: int, simulated: bool = False, name: str | None = None,
                     extra: list[str] | None = None) -> Proc:
-        argv = [PY, "-m", "trainer_agent.node", "--server", self.url, "--token", token, "--node", node,
+        argv = [PY, "-m", "trainer_agent.node", "--server", self.url, f"--token={token}", "--node", node,
                 "--simulate-gpus", str(gpus), "--runs-dir", str(self.tmp / "runs")]
         if simulated:
             argv.append("--simulated-workers")

@@ -115,7 +115,7 @@ def _preempt(job):
     """Drive a graceful preempt through the same path a planner action takes."""
     from django.db import transaction
 
-    from jobs import actions
+    from jobs.actions.planner_pass import _apply_action
     from jobs.models import Node, PlannerRun
     from jobs.planner.decisions import Action, Reason
     from jobs.planner.snapshot import Gpu
@@ -125,8 +125,8 @@ def _preempt(job):
     action = Action(kind="preempt", job=job.name, reason=Reason("test", "preempted by the test"),
                     gpus_before=gpus, deadline_s=(timezone.now() + timedelta(seconds=60)).timestamp())
     with transaction.atomic():
-        actions._apply_action(action, run=run, now=timezone.now(), nodes={n.name: n for n in Node.objects.all()},
-                              pools={}, touched=set())
+        _apply_action(action, run=run, now=timezone.now(), nodes={n.name: n for n in Node.objects.all()},
+                      pools={}, touched=set())
 
 
 def test_preempted_gpus_stay_held_until_the_checkpoint_is_confirmed(boss):

@@ -233,6 +233,19 @@ def test_each_role_signs_in_and_sees_its_pages(open_as, asgi_server, researcher,
     assert page.locator("#planner form").count() == 0  # read-only
 
 
+def test_anothers_job_is_an_unlinked_summary_row_that_stays_live(open_as, asgi_server, researcher, other_researcher,
+                                                                  running_job):
+    job, _, _ = running_job
+    page = open_as(other_researcher)
+    page.goto(f"{asgi_server}/?mine=0")
+    row = page.locator(f"#jobs tr[data-job-id='{job.pk}']")
+    assert row.locator("a").count() == 0 and "Details are visible to rita" in row.inner_text()
+    wait_live(page)  # the cluster stream: rob has no job of his own to follow
+    in_thread(lambda: actions.cancel_job(Job.objects.get(pk=job.pk), researcher))
+    row.locator("[data-field=state]", has_text="Cancelled").wait_for(timeout=2000)
+    assert "undefined" not in row.inner_text()
+
+
 def test_anonymous_visitor_is_sent_to_login(browser, asgi_server):
     context = browser.new_context()
     page = context.new_page()

@@ -12,10 +12,10 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
-from django.test import Client
+from django.test import Client, override_settings
 
 from jobs import actions
-from jobs.live import job_group
+from jobs.live import job_group, node_group
 from jobs.live_consumers import LiveConsumer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -269,3 +269,74 @@ def test_live_sockets_are_counted_in_the_metrics_gauge(researcher):
     run(scenario)
     before, during, after = counts
     assert during == before + 1 and after == before
+
+
+# -- who sees what (jobs.roles.job_visibility, OMNI_JOB_VISIBILITY) --------------------------------
+
+
+@pytest.mark.parametrize(("setting", "answer"), [("summary", 403), ("all", "subscribed"), ("own", 404)])
+def test_anothers_job_stream_answers_as_the_setting_says(setting, answer, researcher, other_researcher, make_job):
+    theirs = make_job(owner=other_researcher)
+
+    async def scenario():
+        communicator = await connect(researcher)
+        reply = await subscribe(communicator, "job", theirs.pk)
+        assert reply.get("status", reply["type"]) == answer
+        await communicator.disconnect()
+
+    with override_settings(OMNI_JOB_VISIBILITY=setting):
+        run(scenario)
+
+
+@pytest.mark.parametrize("setting", ["summary", "all", "own"])
+def test_the_cluster_stream_gives_others_jobs_as_the_setting_says(setting, researcher, other_researcher, make_job):
+    mine, theirs = make_job(name="mine"), make_job(owner=other_researcher, name="theirs")
+
+    async def scenario():
+        communicator = await connect(researcher)
+        await subscribe(communicator, "cluster")
+        await database_sync_to_async(actions.cancel_job)(theirs, other_researcher)
+        if setting == "own":
+            assert await communicator.receive_nothing(timeout=0.5)
+        else:
+            payload = (await communicator.receive_json_from(timeout=2))["payload"]
+            assert payload["name"] == "theirs" and payload["state"] == "cancelled" and payload["owner"] == "rob"
+            if setting == "summary":
+                assert payload["visibility"] == "summary" and "dp" not in payload and "pending_reason" not in payload
+            else:
+                assert "dp" in payload and "pending_reason" in payload
+        await database_sync_to_async(actions.cancel_job)(mine, researcher)
+        own = (await communicator.receive_json_from(timeout=2))["payload"]
+        assert own["name"] == "mine" and "dp" in own
+        await communicator.disconnect()
+
+    with override_settings(OMNI_JOB_VISIBILITY=setting):
+        run(scenario)
+
+
+@override_settings(OMNI_JOB_VISIBILITY="own")
+def test_node_payloads_do_not_name_jobs_the_viewer_may_not_see(researcher, other_researcher, operator, make_job,
+                                                               make_nodes):
+    node = make_nodes(racks=1, switches=1, nodes=1)[0]
+    theirs = make_job(owner=other_researcher, name="theirs")
+    actions.place_job(theirs, [(node, 0), (node, 1)], actor="planner", reason={})
+
+    async def scenario():
+        communicator = await connect(researcher)
+        await subscribe(communicator, "cluster")
+        await subscribe(communicator, "node", node.pk)
+        await database_sync_to_async(actions.drain_node)(node, operator)
+        for _ in range(2):  # the node on the cluster stream and on its own
+            gpus = (await communicator.receive_json_from(timeout=2))["payload"]["gpus"]
+            assert gpus[0] == {"index": 0, "job": None, "job_id": None, "priority": "regular", "borrowed": False,
+                               "held": True}
+            assert gpus[2]["job"] is None and "held" not in gpus[2]
+        await get_channel_layer().group_send(node_group(node.pk), {
+            "type": "live.message", "event": "gpu_samples",
+            "payload": {"job": theirs.pk, "node": node.pk, "points": [{"gpu": 0, "util_pct": 90.0}]},
+        })
+        frame = await communicator.receive_json_from(timeout=2)
+        assert frame["batch"] == [{"node": node.pk, "points": [{"gpu": 0, "util_pct": 90.0}]}]
+        await communicator.disconnect()
+
+    run(scenario)

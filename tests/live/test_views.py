@@ -6,11 +6,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from datetime import timedelta
 
 import pytest
 from django.core.cache import cache
-from django.test import Client
+from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
@@ -295,3 +296,86 @@ def test_sentences_read_like_the_issue_asks():
     assert text == ("Preempted to return GPUs reserved for omni-7b, whose window starts 14:05; "
                     "checkpoint at step 4200 saved in 21 s.")
     assert compact_nodes(["r1s0n2", "r1s0n3", "r1s1n0"]) == "r1s0n2-n3, r1s1n0"
+
+
+# -- who sees what (jobs.roles.job_visibility, OMNI_JOB_VISIBILITY) --------------------------------
+
+VISIBILITY = ["summary", "all", "own"]
+JOB_LINK = re.compile(r'href="(/jobs/\d+/)"')
+
+
+def _job_row(body: str, job) -> str:
+    """The dashboard's <tr> of ``job`` ("" when it is not listed)."""
+    match = re.search(rf'<tr data-job-id="{job.pk}".*?</tr>', body, re.S)
+    return match.group(0) if match else ""
+
+
+@pytest.mark.parametrize(("setting", "status"), [("summary", 403), ("all", 200), ("own", 404)])
+def test_anothers_job_page_answers_as_the_setting_says(setting, status, researcher, auditor, cluster):
+    with override_settings(OMNI_JOB_VISIBILITY=setting):
+        assert client_for(researcher).get(reverse("job-page", args=[cluster["theirs"].pk])).status_code == status
+        assert client_for(researcher).get(reverse("job-page", args=[cluster["mine"].pk])).status_code == 200
+        assert client_for(auditor).get(reverse("job-page", args=[cluster["theirs"].pk])).status_code == 200
+
+
+def test_everyones_list_shows_others_jobs_as_unlinked_summaries_by_default(researcher, cluster):
+    body = client_for(researcher).get(reverse("dashboard"), {"mine": "0"}).content.decode()
+    mine, theirs = _job_row(body, cluster["mine"]), _job_row(body, cluster["theirs"])
+    assert f'href="/jobs/{cluster["mine"].pk}/"' in mine and "ETA" in mine
+    assert theirs and "/jobs/" not in theirs and "rob" in theirs and "Regular" in theirs and "Running" in theirs
+    assert "ETA" not in theirs and "per replica" not in theirs and "Lent crit-window" not in theirs
+    assert "Details are visible to rob" in theirs
+
+
+@override_settings(OMNI_JOB_VISIBILITY="all")
+def test_everyones_list_links_every_job_with_all(researcher, cluster):
+    body = client_for(researcher).get(reverse("dashboard"), {"mine": "0"}).content.decode()
+    assert f'href="/jobs/{cluster["theirs"].pk}/"' in _job_row(body, cluster["theirs"])
+
+
+@override_settings(OMNI_JOB_VISIBILITY="own")
+def test_others_jobs_are_nowhere_on_a_researchers_pages_with_own(researcher, cluster):
+    client = client_for(researcher)
+    body = client.get(reverse("dashboard"), {"mine": "0"}).content.decode()
+    assert not _job_row(body, cluster["theirs"]) and _job_row(body, cluster["mine"])
+    assert 'id="id_mine"' not in body  # no "Everyone's" to choose
+    console = client.get(reverse("console")).content.decode()
+    assert "theirs" not in console and "<strong>crit</strong>" not in console and '"crit"' not in console
+    assert "gpu0: another user's job" in console  # theirs' GPUs: held, unnamed
+    assert "<strong>another user&#x27;s job</strong>" in console  # the reservation for crit
+
+
+@pytest.mark.parametrize("setting", VISIBILITY)
+def test_no_link_on_any_page_leads_to_a_403(setting, researcher, other_researcher, operator, auditor, cluster):
+    with override_settings(OMNI_JOB_VISIBILITY=setting):
+        for user in (researcher, other_researcher, operator, auditor):
+            client = client_for(user)
+            links = set()
+            for page, query in (("dashboard", {"mine": "0", "state": "all"}), ("dashboard", {}), ("console", {})):
+                links |= set(JOB_LINK.findall(client.get(reverse(page), query).content.decode()))
+            assert links, user.username
+            for link in links:
+                assert client.get(link).status_code == 200, (setting, user.username, link)
+
+
+def test_the_queue_says_why_only_for_jobs_seen_in_full(researcher, other_researcher, operator, make_job, cluster):
+    from django.db import transaction
+
+    from jobs.audit import record_event
+
+    waiting = make_job(owner=other_researcher, name="their-wait", dp=4, dp_min=4)
+    with transaction.atomic():
+        record_event(EventKind.HOLD, job=waiting, actor="planner",
+                     reason={"rule": "no_capacity", "text": "Waits for a private reason.", "inputs": {}})
+    body = client_for(researcher).get(reverse("console")).content.decode()
+    assert "their-wait" in body and "a private reason" not in body
+    assert "a private reason" in client_for(operator).get(reverse("console")).content.decode()
+
+
+def test_a_researchers_everyones_list_keeps_its_query_count(researcher, other_researcher, cluster, make_job,
+                                                            django_assert_max_num_queries):
+    for i in range(30):
+        make_job(owner=other_researcher if i % 2 else researcher, name=f"extra-{i}")
+    client = client_for(researcher)
+    with django_assert_max_num_queries(14):
+        assert client.get(reverse("dashboard"), {"mine": "0"}).status_code == 200

@@ -21,8 +21,8 @@ class Command(BaseCommand):
     def handle(self, *args, host: str, port: int, no_loop: bool, **options) -> None:
         from daphne.server import Server
 
-        from jobs.loop import InProcessLoop
         from omniweb.asgi import application
+        from omniweb.loop import InProcessLoop
 
         loop = None
         if settings.OMNI_INPROCESS_LOOP and not no_loop:

@@ -1,5 +1,6 @@
 """The embedded mode's in-process scheduler: runs omniweb.scheduled's periodic tasks in a
-daemon thread, calling the same Celery task functions that beat would send to a worker."""
+daemon thread, calling the same Celery task functions that beat would send to a worker. It sits
+beside the schedule it runs: it is the project's stand-in for beat, not part of an app."""
 
 from __future__ import annotations
 

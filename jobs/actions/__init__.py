@@ -1,0 +1,95 @@
+"""Every write that touches more than one row: atomic, permission-checked, audited.
+
+Views, the API, consumers, tasks and admin actions all call these functions, never the ORM
+directly, so each change records its audit event in the same transaction (Zulip's
+``zerver/actions``). Illegal state changes raise ``IllegalTransition`` (the API answers 409),
+bad input raises ``ValidationError`` (400), the wrong role ``PermissionDenied`` (403).
+
+One module per domain; callers use this package's names (``actions.submit_job``):
+
+- ``jobs``: submit, cancel and place jobs;
+- ``reservations``: create, edit and cancel reservations;
+- ``nodes``: cordon, uncordon, drain, repair; heartbeat verdicts (suspect, failed);
+- ``planner_pass``: the planner pass that applies a plan, and the planner's controls;
+- ``commands``: the command outbox: write, claim, send, acknowledge, outcome, expire;
+- ``agents``: what agents report: hello, heartbeats, step records, worker exits; fencing.
+
+Actions never import ``jobs.tasks``: a pass they need after commit is triggered by task name.
+"""
+
+from jobs.actions.agents import (
+    fence_stray_workers,
+    record_agent_hello,
+    record_heartbeat,
+    record_step_records,
+    record_worker_exit,
+)
+from jobs.actions.commands import (
+    OPEN_COMMAND_STATES,
+    UnknownCommand,
+    agent_group,
+    claim_commands_for_dispatch,
+    command_frame,
+    expire_overdue_commands,
+    record_command_ack,
+    record_command_outcome,
+    resend_pending_commands,
+    send_node_commands,
+)
+from jobs.actions.jobs import cancel_job, place_job, submit_job
+from jobs.actions.nodes import (
+    cordon_node,
+    drain_node,
+    heartbeat_verdicts,
+    mark_node_failed,
+    mark_node_repaired,
+    mark_node_suspect,
+    uncordon_node,
+)
+from jobs.actions.planner_pass import PLANNER_LOCK_KEY, PassResult, run_planner_pass, set_planner_control
+from jobs.actions.reservations import (
+    RESERVATION_EDITABLE,
+    cancel_reservation,
+    create_reservation,
+    update_reservation,
+)
+from jobs.models.commands import CommandState
+from jobs.models.states import IllegalTransition
+
+__all__ = [
+    "OPEN_COMMAND_STATES",
+    "PLANNER_LOCK_KEY",
+    "RESERVATION_EDITABLE",
+    "CommandState",
+    "IllegalTransition",
+    "PassResult",
+    "UnknownCommand",
+    "agent_group",
+    "cancel_job",
+    "cancel_reservation",
+    "claim_commands_for_dispatch",
+    "command_frame",
+    "cordon_node",
+    "create_reservation",
+    "drain_node",
+    "expire_overdue_commands",
+    "fence_stray_workers",
+    "heartbeat_verdicts",
+    "mark_node_failed",
+    "mark_node_repaired",
+    "mark_node_suspect",
+    "place_job",
+    "record_agent_hello",
+    "record_command_ack",
+    "record_command_outcome",
+    "record_heartbeat",
+    "record_step_records",
+    "record_worker_exit",
+    "resend_pending_commands",
+    "run_planner_pass",
+    "send_node_commands",
+    "set_planner_control",
+    "submit_job",
+    "uncordon_node",
+    "update_reservation",
+]

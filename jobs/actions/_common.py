@@ -1,0 +1,93 @@
+"""What several action modules share: actor names, a job's GPUs and checkpoints, and the
+after-commit trigger of a planner pass. Everything here runs inside the caller's transaction."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from jobs.models import Allocation, Job, JobState
+from omniweb.celery import app
+
+control_logger = logging.getLogger("jobs.control")
+
+PLANNER_ACTOR = "planner"
+# The states in which a job's workers run and report progress and checkpoints.
+WORKING_JOB_STATES = (JobState.RUNNING, JobState.CHECKPOINTING, JobState.RESIZING)
+# Registered in jobs/tasks.py. Named, not imported: tasks call actions, never the reverse.
+PLAN_TICK_TASK = "jobs.plan_tick"
+
+
+def actor_name(user) -> str:
+    return user.get_username() if user is not None else "system"
+
+
+def agent_actor(node) -> str:
+    return f"agent:{node.name}"
+
+
+def job_nodes(job: Job) -> list[str]:
+    return sorted({a.node.name for a in job.allocations.select_related("node")})
+
+
+def release_allocations(job: Job) -> list[str]:
+    """Free every GPU of the job; return the names of the nodes they were on."""
+    nodes = job_nodes(job)
+    Allocation.objects.filter(job=job).delete()
+    return nodes
+
+
+def lose_unsaved_steps(job: Job) -> int:
+    """Roll progress back to the last completed checkpoint; return how many steps were lost."""
+    lost = max(0, job.committed_steps - job.last_checkpoint_step)
+    job.committed_steps = job.last_checkpoint_step
+    return lost
+
+
+def kill_and_release(job: Job) -> int:
+    """Take a job's GPUs without a checkpoint: progress falls back to the last save."""
+    lost = lose_unsaved_steps(job)
+    fields = ["committed_steps", "preemptions"]
+    if job.state == JobState.RUNNING:
+        fields += job.transition_to(JobState.CHECKPOINTING)
+    fields += job.transition_to(JobState.PREEMPTED)
+    job.preemptions += 1
+    job.save(update_fields=fields)
+    Allocation.objects.filter(job=job).delete()
+    return lost
+
+
+def note_checkpoint(job: Job, outcome: dict[str, Any]) -> list[str]:
+    """Take the checkpoint step and save/load times an agent reported; return the fields set."""
+    step = outcome.get("checkpoint_step")
+    fields: list[str] = []
+    if isinstance(step, int) and 0 <= step <= job.total_steps and step >= job.last_checkpoint_step:
+        job.last_checkpoint_step = step
+        job.last_checkpoint_at = timezone.now()
+        job.committed_steps = step
+        fields += ["last_checkpoint_step", "last_checkpoint_at", "committed_steps"]
+    save_s = outcome.get("save_s")
+    if isinstance(save_s, (int, float)) and save_s >= 0:
+        job.measured_save_s = float(save_s)
+        fields.append("measured_save_s")
+    load_s = outcome.get("load_s")
+    if isinstance(load_s, (int, float)) and load_s >= 0:
+        job.measured_load_s = float(load_s)
+        fields.append("measured_load_s")
+    return fields
+
+
+def trigger_plan(trigger: str) -> None:
+    """Ask for a planner pass once the transaction commits (eagerly, in embedded mode)."""
+    app.tasks[PLAN_TICK_TASK].delay_on_commit(trigger)
+
+
+def trigger_plan_with_broker(trigger: str) -> None:
+    """Ask for a planner pass after commit when a worker fleet serves the queue. Eager (embedded
+    and unit-test) runs leave it to the in-process loop's next tick instead of planning inline
+    inside a user's request."""
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        trigger_plan(trigger)

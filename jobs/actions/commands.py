@@ -1,0 +1,474 @@
+"""The command outbox (docs/control-loop.md): writing commands, sending them, and what their
+acknowledgement, outcome or expiry does to the job.
+
+A ``Command`` row is written in the transaction of the decision that caused it and handed to
+the channel-layer group of its node's agent only after that transaction commits, at least once:
+a send lost on the way is retried by ``expire_overdue_commands`` and replayed when the agent
+reconnects. ``send_node_commands`` and ``resend_pending_commands`` are the only functions here
+that run outside a transaction: the claim commits first, then the frames go out.
+
+``write_commands``, ``write_stop_commands``, ``dispatch_on_commit`` and ``record_job_fault`` are
+the building blocks the other action modules use inside their own transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from jobs.actions._common import (
+    agent_actor,
+    control_logger,
+    job_nodes,
+    kill_and_release,
+    lose_unsaved_steps,
+    note_checkpoint,
+    release_allocations,
+    trigger_plan,
+)
+from jobs.audit import record_event
+from jobs.models import Allocation, Command, ElasticEvent, Job, JobState, Node, NodeState
+from jobs.models.commands import CommandState
+from jobs.vocab import LAUNCH_COMMANDS, CommandKind, EventKind
+
+OPEN_COMMAND_STATES = (CommandState.PENDING, CommandState.SENT, CommandState.ACKED)
+
+
+class UnknownCommand(Exception):
+    """An agent named a command id that does not exist or belongs to another node."""
+
+
+def agent_group(node_id: int) -> str:
+    """The channel-layer group an agent's socket joins: ``agent-{node id}``."""
+    return f"agent-{node_id}"
+
+
+# -- writing commands ------------------------------------------------------------------------
+
+
+def job_payload(job: Job, gpus: list[tuple[str, int]], node_name: str, leader: str) -> dict[str, Any]:
+    """What an agent needs to run (its share of) a job: layout, batch, steps, GPUs on this node."""
+    return {
+        "job": job.name,
+        "leader": node_name == leader,
+        "leader_node": leader,
+        "nodes": sorted({n for n, _ in gpus}),
+        "gpus": [i for n, i in gpus if n == node_name],
+        "dp": len(gpus) // job.replica_gpus,
+        "tp": job.tp,
+        "pp": job.pp,
+        "accum": job.global_batch // (job.micro_batch * max(1, len(gpus) // job.replica_gpus)),
+        "global_batch": job.global_batch,
+        "micro_batch": job.micro_batch,
+        "total_steps": job.total_steps,
+        "checkpoint_every": job.checkpoint_every_steps,
+        "step_s": job.step_s,
+        "resume_step": job.last_checkpoint_step,
+    }
+
+
+def nodes_in_order(gpus: list[tuple[str, int]]) -> list[str]:
+    """The nodes of a layout, each once, in layout order (the first is the leader)."""
+    seen: list[str] = []
+    for name, _ in gpus:
+        if name not in seen:
+            seen.append(name)
+    return seen
+
+
+def write_commands(
+    job: Job,
+    kind: CommandKind,
+    gpus: list[tuple[str, int]],
+    nodes: dict[str, Node],
+    *,
+    leader: str,
+    targets: list[str] | None = None,
+    deadline_at: datetime | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Command:
+    """One command per target node (leader first); returns the leader's, which the audit names."""
+    targets = targets or nodes_in_order(gpus)
+    targets = [leader, *[t for t in targets if t != leader]]
+    leader_command: Command | None = None
+    for name in targets:
+        payload = job_payload(job, gpus, name, leader)
+        payload.update(extra or {})
+        command = Command.objects.create(
+            node=nodes[name], job=job, kind=kind, payload=payload, deadline_at=deadline_at
+        )
+        if name == leader:
+            leader_command = command
+    assert leader_command is not None
+    return leader_command
+
+
+def write_stop_commands(job: Job, nodes: Iterable[Node], *, kill: bool = True) -> list[Command]:
+    """A ``stop`` for the job's workers on each node. ``kill`` fences them (they must stop before
+    anyone resumes the run, and their outcome changes nothing); without it, a cancel's stop."""
+    payload = {"job": job.name, "leader": False, "kill": True} if kill else {"job": job.name}
+    return [
+        Command.objects.create(node=node, job=job, kind=CommandKind.STOP, payload=dict(payload)) for node in nodes
+    ]
+
+
+def dispatch_on_commit(node_ids: set[int]) -> None:
+    """Send the nodes' new commands once the transaction commits.
+
+    The send runs right in the committing process, not through a Celery hop: the outbox rows
+    are already durable, so a send lost here is re-sent by ``sweep_commands`` after the ack
+    timeout (and replayed on reconnect), while the common case saves a broker round trip.
+    """
+
+    def send(node_id: int) -> None:
+        try:
+            send_node_commands(node_id)
+        except Exception:
+            control_logger.warning("dispatch to node %s failed; the sweep will resend", node_id, exc_info=True)
+
+    for node_id in sorted(node_ids):
+        transaction.on_commit(lambda node_id=node_id: send(node_id))
+
+
+# -- sending ---------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def claim_commands_for_dispatch(node_id: int, *, include_sent: bool = False) -> list[Command]:
+    """Move a node's pending commands to ``sent`` (one attempt each) and return what to send.
+
+    ``include_sent`` also returns commands already sent but not acknowledged: a (re)connecting
+    agent gets every unacknowledged command again (at-least-once; the agent dedups by id).
+    """
+    out: list[Command] = []
+    states = [CommandState.PENDING, CommandState.SENT] if include_sent else [CommandState.PENDING]
+    for command in (
+        Command.objects.select_for_update(of=("self",)).filter(node_id=node_id, state__in=states)
+        .select_related("job").order_by("created_at")
+    ):
+        if command.state == CommandState.PENDING:
+            command.save(update_fields=command.transition_to(CommandState.SENT))
+        out.append(command)
+    return out
+
+
+def command_frame(command: Command) -> dict[str, Any]:
+    """The ``command`` frame for an agent (docs/control-loop.md)."""
+    return {
+        "type": "command",
+        "id": str(command.id),
+        "kind": command.kind,
+        "job": command.job.name if command.job_id else None,
+        "payload": command.payload,
+        "deadline": command.deadline_at.timestamp() if command.deadline_at else None,
+        "attempt": command.attempts,
+    }
+
+
+def send_node_commands(node_id: int) -> None:
+    """Send a node's pending commands to its agent's socket (if connected) and mark them sent.
+
+    The row is marked first and the frame sent after that commits: a frame lost on the way is
+    retried by ``expire_overdue_commands`` after the ack timeout, and the agent drops duplicates.
+    """
+    commands = claim_commands_for_dispatch(node_id)
+    if not commands:
+        return
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    frames = [command_frame(c) for c in commands]
+    try:
+        async_to_sync(layer.group_send)(agent_group(node_id), {"type": "agent.commands", "frames": frames})
+    except Exception:  # the outbox keeps them; the sweep resends after the ack timeout
+        control_logger.warning("could not hand %d command(s) for node %s to the channel layer", len(frames),
+                               node_id, exc_info=True)
+
+
+def resend_pending_commands() -> None:
+    """Send every command still pending: a dispatch lost with a broker or channel-layer outage
+    goes out again from the outbox."""
+    pending = Node.objects.filter(commands__state=CommandState.PENDING).values_list("id", flat=True).distinct()
+    for node_id in pending:
+        send_node_commands(node_id)
+
+
+# -- acknowledgements and outcomes -----------------------------------------------------------
+
+
+def decision_of(command: Command) -> ElasticEvent | None:
+    """The audit row of the decision that wrote the command (outcomes refer to it)."""
+    return ElasticEvent.objects.filter(command=command.id).order_by("id").first()
+
+
+def _own_command(node: Node, command_id: str) -> Command:
+    try:
+        key = uuid.UUID(str(command_id))
+    except ValueError:
+        raise UnknownCommand(f"{command_id!r} is not a command id") from None
+    try:
+        return Command.objects.select_for_update(of=("self",)).select_related("job").get(pk=key, node=node)
+    except Command.DoesNotExist:
+        raise UnknownCommand(f"no command {command_id} for node {node.name}") from None
+
+
+def _to_acked(command: Command) -> list[str]:
+    """Pending or sent -> acked (an ack or outcome may overtake the dispatch); the fields changed."""
+    fields: list[str] = []
+    if command.state == CommandState.PENDING:
+        fields += command.transition_to(CommandState.SENT)
+    if command.state == CommandState.SENT:
+        fields += command.transition_to(CommandState.ACKED)
+    return fields
+
+
+@transaction.atomic
+def record_command_ack(node: Node, command_id: str) -> Command:
+    """The agent received the command. Idempotent: a repeated or late ack changes nothing."""
+    command = _own_command(node, command_id)
+    if command.state not in (CommandState.PENDING, CommandState.SENT):
+        return command
+    command.save(update_fields=_to_acked(command))
+    decision = decision_of(command)
+    if decision is not None and command.payload.get("leader", True):
+        record_event(
+            EventKind.ACK, job=command.job, actor=agent_actor(node), command=command.id, refers_to=decision,
+            outcome={"kind": command.kind, "attempts": command.attempts,
+                     "ack_ms": round((command.acked_at - command.created_at).total_seconds() * 1000.0, 1)},
+            reason={"rule": "ack", "text": f"{node.name} acknowledged {command.kind} of "
+                    f"{command.job.name if command.job_id else '-'}.", "inputs": {}},
+        )
+    return command
+
+
+@transaction.atomic
+def record_command_outcome(node: Node, command_id: str, *, ok: bool, outcome: dict[str, Any]) -> Command:
+    """The agent finished a command. Applies its effect once; a duplicate ``done`` is ignored."""
+    command = _own_command(node, command_id)
+    if command.is_terminal:
+        return command
+    fields = _to_acked(command)
+    clean = {k: outcome.get(k) for k in ("checkpoint_step", "save_s", "load_s", "step", "error", "outcome", "pid")
+             if k in outcome}
+    command.outcome = clean
+    command.error = str(outcome.get("error") or "")[:2000]
+    fields += command.transition_to(CommandState.DONE if ok else CommandState.FAILED)
+    command.save(update_fields=[*fields, "outcome", "error"])
+    if command.job_id is None or not command.payload.get("leader", True):
+        return command
+    job = Job.objects.select_for_update().get(pk=command.job_id)
+    effect = _OUTCOME_EFFECTS.get(command.kind)
+    if effect is not None:
+        text = f"{command.kind} of {job.name} on {node.name}: " + ("done" if ok else f"failed ({command.error})")
+        effect(_Outcome(node=node, command=command, job=job, ok=ok, reported=clean, decision=decision_of(command),
+                        text=text, gpus_before=job.allocations.count()))
+    trigger_plan("command_done")
+    return command
+
+
+@dataclass
+class _Outcome:
+    """A leader's ``done`` for one command, being applied to its job."""
+
+    node: Node
+    command: Command
+    job: Job
+    ok: bool
+    reported: dict[str, Any]  # the outcome fields the agent sent that we keep
+    decision: ElasticEvent | None
+    text: str
+    gpus_before: int
+
+    @property
+    def actor(self) -> str:
+        return agent_actor(self.node)
+
+    def audit(self, kind: EventKind = EventKind.OUTCOME, *, rule: str = "outcome", text: str | None = None,
+              extra: dict[str, Any] | None = None, **facts: Any) -> None:
+        """The audit row of this outcome, referring to the decision; ``facts`` are its columns."""
+        outcome = {"kind": self.command.kind, "ok": self.ok, **self.reported, **(extra or {})}
+        record_event(kind, job=self.job, actor=self.actor, command=self.command.id, refers_to=self.decision,
+                     outcome=outcome, reason={"rule": rule, "text": text or self.text, "inputs": {}}, **facts)
+
+
+def _preempt_done(o: _Outcome) -> None:
+    """A checkpoint before release: saved (GPUs freed, nothing lost) or not (killed)."""
+    job = o.job
+    if job.state != JobState.CHECKPOINTING:
+        return
+    if o.ok:
+        fields = note_checkpoint(job, o.reported)
+        fields += job.transition_to(JobState.PREEMPTED)
+        job.preemptions += 1
+        job.save(update_fields=[*fields, "preemptions"])
+        nodes = release_allocations(job)
+        o.audit(text=o.text + f"; checkpoint at step {job.last_checkpoint_step} saved, GPUs released",
+                extra={"steps_lost": 0}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
+    else:
+        nodes = job_nodes(job)
+        lost = kill_and_release(job)
+        o.audit(EventKind.KILL, rule="checkpoint_failed", text=o.text + f"; {lost} steps lost",
+                extra={"steps_lost": lost}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
+
+
+def _resize_done(o: _Outcome) -> None:
+    """Saved for a new layout: the released GPUs go, and the job continues at the new DP (the
+    leader relaunches itself, or a ``resume`` goes to the new layout)."""
+    job, command = o.job, o.command
+    if job.state != JobState.RESIZING:
+        return
+    if not o.ok:
+        record_job_fault(job, o.actor, o.text, command=command, refers_to=o.decision)
+        return
+    fields = note_checkpoint(job, o.reported)
+    release = {(n, i) for n, i in command.payload.get("release", [])}
+    for alloc in list(job.allocations.select_related("node")):
+        if (alloc.node.name, alloc.gpu_index) in release:
+            alloc.delete()
+    job.set_dp(int(command.payload["dp_after"]))
+    fields += ["dp", "accum_steps"]
+    if command.payload.get("relaunch"):
+        fields += job.transition_to(JobState.RUNNING)
+    job.save(update_fields=fields)
+    extra: dict[str, Any] = {}
+    if not command.payload.get("relaunch"):
+        layout = [(n, i) for n, i in command.payload.get("layout", [])]
+        nodes = {n.name: n for n in Node.objects.filter(name__in={n for n, _ in layout})}
+        resume = write_commands(job, CommandKind.RESUME, layout, nodes, leader=layout[0][0])
+        dispatch_on_commit({n.id for n in nodes.values()})
+        extra["resume_command"] = str(resume.id)
+    o.audit(extra=extra, gpus_before=o.gpus_before, gpus_after=job.allocations.count(), dp_after=job.dp,
+            accum_after=job.accum_steps, global_batch=job.global_batch)
+
+
+def _launch_done(o: _Outcome) -> None:
+    """Workers started (or resumed): note the load time and the checkpoint they resumed from; a
+    launch that failed sends the job to recovery."""
+    job = o.job
+    if not o.ok and job.state in (JobState.RUNNING, JobState.RESIZING):
+        record_job_fault(job, o.actor, o.text, command=o.command, refers_to=o.decision)
+        return
+    if o.ok:
+        fields = []
+        load_s = o.reported.get("load_s")
+        if isinstance(load_s, (int, float)) and load_s >= 0:
+            job.measured_load_s = float(load_s)
+            fields.append("measured_load_s")
+        resumed = o.reported.get("checkpoint_step")
+        if isinstance(resumed, int) and job.last_checkpoint_step < resumed <= job.total_steps:
+            # A checkpoint newer than the last one a heartbeat reported (saved just before a
+            # fault): the run continues from there, so progress does too.
+            job.last_checkpoint_step = resumed
+            job.committed_steps = max(job.committed_steps, resumed)
+            fields += ["last_checkpoint_step", "committed_steps"]
+        if job.state == JobState.RESIZING:
+            fields += job.transition_to(JobState.RUNNING)
+        if fields:
+            job.save(update_fields=fields)
+    o.audit()
+
+
+# What a leader's ``done`` does to the job, by command kind (a ``stop``'s changes nothing).
+_OUTCOME_EFFECTS: dict[CommandKind, Callable[[_Outcome], None]] = {
+    CommandKind.PREEMPT: _preempt_done,
+    CommandKind.RESIZE: _resize_done,
+    CommandKind.START: _launch_done,
+    CommandKind.RESUME: _launch_done,
+}
+
+
+@transaction.atomic
+def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None = None,
+                     refers_to: ElasticEvent | None = None, kind: EventKind = EventKind.FAIL) -> int:
+    """A fault hit the job: back to its last checkpoint, GPUs released, surviving workers fenced;
+    the planner recovers it. Returns the steps lost."""
+    gpus_before = job.allocations.count()
+    lost = lose_unsaved_steps(job)
+    job.save(update_fields=[*job.transition_to(JobState.RECOVERING), "committed_steps"])
+    nodes = job_nodes(job)
+    survivors = list(Node.objects.filter(name__in=nodes).exclude(state=NodeState.FAILED))
+    Allocation.objects.filter(job=job).delete()
+    write_stop_commands(job, survivors)
+    dispatch_on_commit({n.id for n in survivors})
+    record_event(kind, job=job, actor=actor, command=command.id if command else None, refers_to=refers_to,
+                 nodes_before=nodes, gpus_before=gpus_before, gpus_after=0, dp_before=job.dp,
+                 global_batch=job.global_batch,
+                 outcome={"steps_lost": lost, "resume_from_step": job.last_checkpoint_step},
+                 reason={"rule": "fault", "text": f"{text}; {job.name} recovers from step "
+                         f"{job.last_checkpoint_step} ({lost} steps lost).", "inputs": {}})
+    return lost
+
+
+# -- expiry and retry ------------------------------------------------------------------------
+
+
+@transaction.atomic
+def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
+    """Retry sent commands not acknowledged in time; expire them after the last attempt; treat a
+    preempt past its deadline as a kill. The planner is told about every expiry."""
+    now = now or timezone.now()
+    counts = {"retried": 0, "expired": 0, "killed": 0}
+    timeout = timedelta(seconds=settings.OMNI_COMMAND_ACK_TIMEOUT_S)
+    retry_nodes: set[int] = set()
+    overdue = Command.objects.select_for_update(of=("self",)).filter(state=CommandState.SENT, sent_at__lt=now - timeout)
+    for command in overdue.select_related("node", "job"):
+        if command.attempts < settings.OMNI_COMMAND_MAX_ATTEMPTS:
+            command.save(update_fields=command.transition_to(CommandState.PENDING))
+            retry_nodes.add(command.node_id)
+            counts["retried"] += 1
+        else:
+            _expire(command, f"not acknowledged after {command.attempts} attempts")
+            counts["expired"] += 1
+    late = Command.objects.select_for_update(of=("self",)).filter(
+        kind=CommandKind.PREEMPT, state__in=OPEN_COMMAND_STATES, deadline_at__lt=now
+    )
+    for command in late.select_related("node", "job"):
+        _expire(command, "checkpoint not confirmed by the deadline")
+        counts["killed"] += 1
+    dispatch_on_commit(retry_nodes)
+    if counts["expired"] or counts["killed"]:
+        trigger_plan("command_expired")
+    return counts
+
+
+@transaction.atomic
+def expire_node_commands(node: Node, why: str) -> None:
+    """Expire every open command of a node (it failed: none will be answered)."""
+    for command in Command.objects.select_for_update().filter(node=node, state__in=OPEN_COMMAND_STATES):
+        command.error = why
+        command.save(update_fields=[*command.transition_to(CommandState.EXPIRED), "error"])
+
+
+def _expire(command: Command, why: str) -> None:
+    command.error = why
+    command.save(update_fields=[*command.transition_to(CommandState.EXPIRED), "error"])
+    control_logger.warning("command %s (%s on %s) expired: %s", command.id, command.kind, command.node.name, why)
+    if command.job_id is None or not command.payload.get("leader", True):
+        return
+    job = Job.objects.select_for_update().get(pk=command.job_id)
+    decision = decision_of(command)
+    actor = "system"
+    if command.kind == CommandKind.PREEMPT and job.state == JobState.CHECKPOINTING:
+        nodes = job_nodes(job)
+        gpus_before = job.allocations.count()
+        lost = kill_and_release(job)
+        stopped = list(Node.objects.filter(name__in=nodes))
+        write_stop_commands(job, stopped)
+        dispatch_on_commit({n.id for n in stopped})
+        record_event(EventKind.KILL, job=job, actor=actor, command=command.id, refers_to=decision,
+                     nodes_before=nodes, gpus_before=gpus_before, gpus_after=0,
+                     outcome={"steps_lost": lost, "resume_from_step": job.last_checkpoint_step},
+                     reason={"rule": "deadline", "text": f"{job.name}: {why}; killed, GPUs released, "
+                             f"{lost} steps lost (resumes from step {job.last_checkpoint_step}).", "inputs": {}})
+    elif command.kind in LAUNCH_COMMANDS and job.state in (JobState.RUNNING, JobState.RESIZING):
+        record_job_fault(job, actor, f"{command.kind} of {job.name} on {command.node.name} expired: {why}",
+                         command=command, refers_to=decision)

@@ -1,0 +1,1 @@
+"""Template tags of the jobs app (``{% load omni %}``)."""
