@@ -6,16 +6,26 @@ loans, then GPUs taken from lower classes, nearest in topology to the survivors.
 job whose surviving whole replicas still satisfy ``dp_min`` (batch-exactly) continues on them
 instead of waiting. A replica on a slow node is migrated when the time it would save over the
 rest of the run beats the cost of the move (finish step + save + load) by a margin.
+
+The pass's part: ``continue_on_survivors`` (the shrink onto what survived, for the queue) and
+``migrate_stragglers`` (after the queue). Recovery onto spares and reclaimed loans is the
+queue's ordinary placement (``jobs.planner.admission``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from jobs.planner.config import PlannerConfig
-from jobs.planner.layout import largest_valid_dp, replicas_of
+from jobs.planner.decisions import Reason
+from jobs.planner.layout import accum_steps, largest_valid_dp, replicas_of
 from jobs.planner.rhythm import predict
 from jobs.planner.snapshot import Gpu, Job, Node
+from jobs.planner.topology import choose_gpus, spread_of
+
+if TYPE_CHECKING:
+    from jobs.planner.core import PlanningPass
 
 
 def surviving_replicas(job: Job, nodes: Mapping[str, Node], lost_health: frozenset[str]) -> list[tuple[Gpu, ...]]:
@@ -44,3 +54,57 @@ def straggler_gain(job: Job, factor: float, config: PlannerConfig) -> tuple[floa
     saved_s = job.remaining_steps * slow_step_s * (1.0 - 1.0 / factor)
     cost_s = p.step_s + p.save_s + p.load_s
     return saved_s * gpus, cost_s * gpus
+
+
+def continue_on_survivors(state: PlanningPass, job: Job, survivors: list[tuple[Gpu, ...]]) -> bool:
+    """Shrink a job hit by a fault onto its surviving whole replicas, if they satisfy ``dp_min``."""
+    held_dp = len(survivors)
+    d_surv = continue_on_survivors_dp(job, held_dp)
+    if d_surv is None:
+        return False
+    after = [g for r in survivors[:d_surv] for g in r]
+    state._emit("shrink", job, after,
+                Reason("faults", f"A node failed; {held_dp} whole replicas survived, which "
+                       f"satisfies dp_min {job.dp_min}, so the job continues on {d_surv} "
+                       f"replicas from its last checkpoint instead of waiting. Accumulation "
+                       f"becomes {accum_steps(job, d_surv)} to keep the global batch "
+                       f"{job.global_batch}.",
+                       {"survivors": held_dp, "dp_min": job.dp_min, "dp_after": d_surv}),
+                forced=True)
+    return True
+
+
+def migrate_stragglers(state: PlanningPass) -> None:
+    """Move replicas off nodes at least ``straggler_factor`` slow when the saving pays for the move."""
+    slow = {n: node.speed_factor for n, node in state.nodes.items()
+            if node.speed_factor >= state.config.straggler_factor}
+    if not slow:
+        return
+    for job in state.jobs.values():
+        if job.name in state.busy or job.name in state.acted or job.phase != "running":
+            continue
+        on_slow = sorted({g.node for g in job.gpus if g.node in slow})
+        if not on_slow:
+            continue
+        factor = max(slow[n] for n in on_slow)
+        gain, cost = straggler_gain(job, factor, state.config)
+        inputs = {"slow_nodes": on_slow, "speed_factor": factor, "gain_gpu_s": round(gain, 1),
+                  "move_cost_gpu_s": round(cost, 1)}
+        if gain < state.config.migrate_gain_factor * cost:
+            continue
+        replicas = replicas_of(job, job.gpus)
+        keep = [r for r in replicas if not any(g.node in slow for g in r)]
+        kept_gpus = [g for r in keep for g in r]
+        cand = {n: v for n, v in state.view.candidates(state._zones_for(job, job.current_dp)).items()
+                if n not in slow}
+        new = choose_gpus(cand, state.nodes, job.tp, job.pp, len(replicas) - len(keep),
+                          sorted({g.node for g in kept_gpus}))
+        if new is None:
+            continue
+        after = kept_gpus + list(new)
+        state._emit("migrate", job, after,
+                    Reason("faults.straggler",
+                           f"Node(s) {', '.join(on_slow)} run {factor:.2f}x slower; moving "
+                           f"{len(replicas) - len(keep)} replica(s) saves about {gain:.0f} GPU-s over the "
+                           f"remaining {job.remaining_steps} steps against a move cost of {cost:.0f} GPU-s.",
+                           {**inputs, **spread_of(after, state.nodes).as_inputs()}))

@@ -6,17 +6,29 @@ free, when the entitlement next needs GPUs (``next_need_s``) and how many must b
 asks for them; the rest only into a window that fits start-up + load + some steps + the
 reclaim lead time (predicted save x safety factor + margin), so the borrower has saved before
 the entitlement begins. Filling such known-free windows beats preempting later.
+
+The same mechanism lends the GPUs of a job in a known idle phase: they form a pool
+``idle:<job>`` whose need begins when the phase ends. The pass's part of the rule is here too:
+``review_pools`` (summarise the pools, reclaim loans that are due), ``lend_idle_phases``,
+``zones_open_to`` (which pools a job may borrow from) and the wording of loans.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jobs.planner.config import PlannerConfig
-from jobs.planner.entitlements import entitled_gpus, is_active, next_start_s
+from jobs.planner.decisions import Reason
+from jobs.planner.entitlements import entitled_gpus, is_active, next_boundary_s, next_start_s
 from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time
-from jobs.planner.snapshot import Job, Reservation
+from jobs.planner.snapshot import PLACEABLE_HEALTH, WAITING_PHASES, Gpu, Job, Reservation
+from jobs.planner.victims import VictimOption, choose_victims, victim_options_off_pool, victim_sort_key
+from jobs.planner.wording import fmt_t, pool_label, upper_first
+
+if TYPE_CHECKING:
+    from jobs.planner.core import PlanningPass
 
 INFINITY = math.inf
 
@@ -113,3 +125,244 @@ def reclaim_due_s(borrower: Job, pool: PoolState, config: PlannerConfig) -> floa
     if config.reclaim_mode == "kill":
         return pool.next_need_s
     return pool.next_need_s - reclaim_lead_time(borrower, config)
+
+
+def review_pools(state: PlanningPass) -> None:
+    """Summarise every reservation pool, and reclaim the loans whose lead time has come."""
+    for res in state.reservations:
+        state._wake_at(next_boundary_s(res, state.now))
+        if not res.nodes:
+            continue
+        owner = state.jobs.get(res.job)
+        healthy, held = pool_gpus(state, res)
+        free = state.view.free_count(res.name)
+        pool = pool_state(res, owner, state.now, healthy, free, owner_busy=res.job in state.busy)
+        state.pools[res.name] = pool
+        if pool.next_need_s < INFINITY:
+            state._wake_at(pool.next_need_s)
+        # GPUs already on their way back count as returned.
+        returning = 0
+        borrowers: dict[str, list[Gpu]] = {}
+        for g in held:
+            holder = state.view.owner[g]
+            if holder == res.job:
+                continue
+            if holder in state.busy:
+                returning += 1
+                continue
+            borrowers.setdefault(holder, []).append(g)
+        deficit = pool.must_be_free - pool.free_gpus - returning
+        if deficit <= 0 or pool.next_need_s == INFINITY or not borrowers:
+            continue
+        candidates = sorted(
+            (state.jobs[b] for b in borrowers if b in state.jobs and b not in state.acted),
+            key=lambda j: victim_sort_key(j, state.config),
+        )
+        if not candidates:
+            continue
+        # Nothing can be due before the longest lead time: just ask to be woken then.
+        earliest_due = min(reclaim_due_s(j, pool, state.config) for j in candidates)
+        if earliest_due > state.now + 1e-9:
+            state._wake_at(earliest_due)
+            continue
+        pool_nodes = set(res.nodes)
+        options = choose_victims(
+            candidates,
+            lambda freed, nodes=pool_nodes, short=deficit: sum(1 for g in freed if g.node in nodes) >= short,
+            state.config,
+            drop_first=lambda replica, nodes=pool_nodes: any(g.node in nodes for g in replica),
+        )
+        if options is None:
+            # Not enough on loan to cover it (e.g. a failed pool node): reclaim them all.
+            options = []
+            for job in candidates:
+                options.append(victim_options_off_pool(job, state.config, pool_nodes))
+        for opt in options:
+            due = reclaim_due_s(opt.job, pool, state.config)
+            if due <= state.now + 1e-9:
+                emit_reclaim(state, opt, res, pool)
+            else:
+                state._wake_at(due)
+
+
+def pool_gpus(state: PlanningPass, res: Reservation) -> tuple[int, list[Gpu]]:
+    """(healthy GPUs, the held ones among them) on the nodes the pool still owns."""
+    healthy = 0
+    held: list[Gpu] = []
+    for name in res.nodes:
+        node = state.nodes.get(name)
+        if node is None or node.health not in PLACEABLE_HEALTH:
+            continue
+        if state.view.zone_of_node.get(name) != res.name:
+            continue
+        healthy += node.gpus
+        for i in sorted(state.view.held_by_node.get(name, ())):
+            g = Gpu(name, i)
+            if g in state.view.owner:
+                held.append(g)
+    return healthy, held
+
+
+def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool: PoolState) -> None:
+    """Tell a borrower to give the pool's GPUs back (after a save, unless in kill mode)."""
+    job = opt.job
+    lead_s = reclaim_lead_time(job, state.config)
+    need_s = pool.next_need_s
+    inputs = {
+        "reservation": res.name,
+        "need_at_s": need_s,
+        "lead_time_s": round(lead_s, 3),
+        "predicted_save_s": predict(job, state.config).save_s,
+        "safety_factor": state.config.safety_factor,
+        "gpus_returned": len(opt.freed),
+    }
+    if state.kill:
+        text = (
+            f"{upper_first(pool_label(res.name))} needs its GPUs now; the job was stopped without a "
+            f"checkpoint to return {len(opt.freed)} GPUs at once."
+        )
+        deadline = state.now
+    else:
+        deadline = max(need_s, state.now + lead_s)
+        if need_s <= state.now + 1e-9:
+            text = (
+                f"{upper_first(pool_label(res.name))} needs these GPUs now (its job became entitled or lost "
+                f"GPUs to a fault); the job saves its checkpoint and returns {len(opt.freed)} GPUs "
+                f"within {lead_s:.0f}s (predicted save x safety {state.config.safety_factor} + step + margin)."
+            )
+        else:
+            text = (
+                f"{upper_first(pool_label(res.name))} needs its GPUs at {fmt_t(need_s)}; the loan ends now, "
+                f"{lead_s:.0f}s ahead (predicted save {inputs['predicted_save_s']:.0f}s x safety "
+                f"{state.config.safety_factor} + step + margin), so the job saves before then."
+            )
+    state._emit(
+        "reclaim",
+        job,
+        opt.kept,
+        Reason("harvest.reclaim", text, inputs),
+        deadline_s=deadline,
+        graceful=not state.kill,
+        forced=True,
+    )
+
+
+def lend_idle_phases(state: PlanningPass) -> None:
+    """Lend the GPUs of jobs in a known idle phase to waiting work, for the phase's length."""
+    idle = [j for j in state.jobs.values()
+            if j.idle_until_s is not None and j.holdings and j.phase == "running"
+            and j.name not in state.busy and j.name not in state.acted
+            and j.idle_until_s - state.now >= state.config.idle_lend_min_s]
+    if not idle:
+        return
+    waiting = [j for j in state.jobs.values()
+               if j.phase in WAITING_PHASES and not j.parked and j.priority != "critical"
+               and j.name not in state.busy and state._dormant_between_windows(j) is None]
+    if not waiting:
+        return
+    for job in idle:
+        nodes = {g.node for g in job.gpus}
+        whole = all(
+            state.view.zone_of_node.get(n) is None
+            and state.nodes[n].health in PLACEABLE_HEALTH
+            and len(state.view.held_by_node.get(n, ())) == state.nodes[n].gpus
+            and all(state.view.owner.get(Gpu(n, i)) == job.name for i in range(state.nodes[n].gpus))
+            for n in nodes
+        )
+        if not whole:
+            continue
+        remaining_s = job.idle_until_s - state.now  # type: ignore[operator]
+        p = predict(job, state.config)
+        takers = [
+            w.name for w in waiting
+            if w.dp_min * w.tp * w.pp <= len(job.holdings)
+            and min_loan_window_s(w, w.dp_min, state.config) + p.load_s <= remaining_s
+        ]
+        if not takers:
+            continue
+        state._emit("lend", job, (),
+                    Reason("harvest.idle",
+                           f"The job is in a known idle phase for another {remaining_s:.0f}s; its "
+                           f"{len(job.holdings)} GPUs are lent to waiting work ({', '.join(sorted(takers)[:3])}) "
+                           f"and reclaimed with a checkpoint before {fmt_t(job.idle_until_s)}, when it "
+                           f"reloads ({p.load_s:.0f}s) and continues.",
+                           {"idle_until_s": job.idle_until_s, "idle_remaining_s": round(remaining_s, 1),
+                            "gpus_lent": len(job.holdings), "predicted_load_s": p.load_s,
+                            "candidates": sorted(takers)[:5]}),
+                    deadline_s=job.idle_until_s)
+
+
+def zones_open_to(state: PlanningPass, job: Job, dp: int) -> dict[str | None, int | None]:
+    """Zones ``job`` may draw GPUs from at ``dp``: general, its own pools, pools that may lend to it.
+
+    A zone capped at ``n`` lends only its ``n`` hot spares to this job: the window before the
+    pool's next need is too short for it. The pass caches the answer (``_zones_for``).
+    """
+    zones: dict[str | None, int | None] = {None: None}
+    for res in state.res_of_job.get(job.name, ()):
+        if res.name in state.pools:
+            zones[res.name] = None
+    if job.priority == "critical":
+        # A critical job outside its own reservation never borrows: it would be reclaimed
+        # from, which it must not be.
+        return zones
+    if state._lendable_pools is None:
+        state._lendable_pools = [(name, pool) for name, pool in sorted(state.pools.items()) if pool.free_gpus > 0]
+    needed_s: float | None = None
+    totals = state.view.zone_total
+    if any(totals.get(name, 0) <= 0 for name, _ in state._lendable_pools) and not state.kill:
+        # Exhausted pools stay exhausted for the rest of a graceful pass (GPUs given back
+        # come free only after the borrower has saved): stop looking at them.
+        state._lendable_pools = [(n, p) for n, p in state._lendable_pools if totals.get(n, 0) > 0]
+    for name, pool in state._lendable_pools:
+        if name in zones or totals.get(name, 0) <= 0:
+            continue
+        if not pool.need_predictable and not state.kill and not fits_in_grace(job, state.config):
+            continue
+        window_s = pool.next_need_s - state.now
+        if window_s > 0 and needed_s is None:
+            needed_s = 0.0 if state.kill else min_loan_window_s(job, dp, state.config)
+        n = pool.free_gpus if window_s > 0 and needed_s is not None and window_s >= needed_s else pool.spare_lendable
+        if n > 0:
+            zones[name] = n
+    return zones
+
+
+def loan_notes(state: PlanningPass, job: Job, dp: int, lent: list[str]) -> list[str]:
+    """Why each pool in ``lent`` may lend to ``job`` at ``dp`` now, one phrase per pool."""
+    notes = []
+    for z in lent:
+        pool = state.pools[z]
+        n, window_s, needed_s = lendable_gpus(pool, job, dp, state.now, state.config)
+        if pool.need_now > 0 and (window_s == INFINITY or n < pool.free_gpus or window_s <= 0):
+            notes.append(f"they are hot spares of '{z}', lent until a fault needs them")
+        elif window_s == INFINITY:
+            notes.append(f"'{z}' does not need them again")
+        elif n < pool.free_gpus or window_s <= 0:
+            notes.append(f"they are spares of '{z}' beyond what its next window needs")
+        else:
+            notes.append(f"{pool_label(z)} needs them in {window_s:.0f}s and this job needs a window "
+                         f"of {needed_s:.0f}s (start-up, load, {state.config.min_loan_steps} "
+                         f"steps, save)")
+    return notes
+
+
+def refused_loan_notes(state: PlanningPass, job: Job) -> list[str]:
+    """Up to three phrases on pools with free GPUs that ``job`` may not borrow, and why."""
+    notes: list[str] = []
+    zones_min = state._zones_for(job, job.dp_min)
+    for name, pool in state._lendable_pools or ():
+        if len(notes) >= 3:
+            break
+        if name in {r.name for r in state.res_of_job.get(job.name, ())} or job.priority == "critical":
+            continue
+        free_now = state.view.free_count(name)
+        if free_now <= 0 or (zones_min.get(name) or 0) >= free_now:
+            continue
+        n, window_s, needed_s = lendable_gpus(pool, job, job.dp_min, state.now, state.config)
+        notes.append(
+            f"{free_now - min(n, free_now)} GPUs of {pool_label(name)} are free but the window before "
+            f"they are needed ({window_s:.0f}s) is shorter than this job needs "
+            f"({needed_s:.0f}s: start-up, load, {state.config.min_loan_steps} steps, save)"
+        )
+    return notes

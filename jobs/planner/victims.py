@@ -5,18 +5,29 @@ then the fewest GPU-seconds at risk: steps since the last save x predicted step 
 plus the save itself. ``min_run_s`` protects a job except when the need is a reservation, a
 fault or a drain (``forced``). An elastic job is shrunk by whole replicas in preference to
 being stopped.
+
+The pass's part: ``take_from_victims`` searches the running jobs (``victim_pool``, built once
+per pass in victim order) for the cheapest set that makes room for a waiting job, and
+``emit_victim`` issues each chosen shrink or preemption with its reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from typing import TYPE_CHECKING
 
 from jobs.planner.config import PlannerConfig
-from jobs.planner.layout import batch_divides, replicas_of
+from jobs.planner.decisions import Reason
+from jobs.planner.layout import accum_steps, batch_divides, replicas_of
 from jobs.planner.rhythm import predict
-from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job
-from jobs.planner.starvation import protected_by_min_run
+from jobs.planner.snapshot import PLACEABLE_HEALTH, PRIORITY_RANK, Gpu, Job
+from jobs.planner.starvation import is_aged, protected_by_min_run, waited_s
+from jobs.planner.wording import replica_count
+
+if TYPE_CHECKING:
+    from jobs.planner.core import PlanningPass
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,3 +141,224 @@ def victim_options_off_pool(job: Job, config: PlannerConfig, pool_nodes: set[str
         if not any(g.node in pool_nodes for g in opt.kept):
             return opt
     return options[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class VictimEntry:
+    """A possible victim with the facts every victim search filters on."""
+
+    job: Job
+    zones: frozenset[str | None]
+    rank: int
+    protected: bool
+    excess: bool
+    aged: bool
+
+
+def take_from_victims(
+    state: PlanningPass,
+    job: Job,
+    dp: int,
+    zones: dict[str | None, int | None],
+    rank: int,
+    forced: bool,
+    kind: str,
+    entitled: bool,
+) -> bool:
+    """Make room for ``job`` at ``dp`` in ``zones`` by shrinking or stopping cheaper jobs.
+
+    True when victims were found: the job then waits for their GPUs (or, in kill mode, starts
+    on them at once). Failures are remembered per (class, standing, forced, aged) and size.
+    """
+    aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+    if rank >= PRIORITY_RANK["best_effort"] and not forced:
+        return False
+    key = (PRIORITY_RANK[job.priority], rank, forced, aged)
+    need = dp * job.tp * job.pp
+    if state.victim_failed_at.get(key, 1 << 30) <= need:
+        return False
+    my_rank = PRIORITY_RANK[job.priority]
+    zone_set = set(zones)
+    floors: dict[str, int] = {}
+
+    def candidates() -> Iterator[Job]:
+        # victim_pool() is in victim order (lower class, elastic, cheapest first), so the
+        # search stops at the first set that fits.
+        pool = victim_pool(state)
+        for entry in islice(pool, state._victims_head, None):
+            other = entry.job
+            if other.name == job.name or other.name in state.acted or zone_set.isdisjoint(entry.zones):
+                continue
+            if entry.rank > my_rank:
+                if not forced and entry.protected:
+                    continue
+            elif entry.rank == my_rank:
+                # Same class: only replicas grown beyond the preferred size (cheap to give
+                # back), or, for a long waiter, a job that has had its min_run_s (rule 8).
+                if entry.excess and (forced or not entry.protected):
+                    floors[other.name] = other.dp
+                elif not (aged and not entry.protected and not entry.aged):
+                    continue
+            else:
+                continue
+            yield other
+
+    # choose_gpus() finds a placement whenever the free whole TP groups number at least
+    # dp * pp (it only fails when they are fewer), so the fit test counts groups: free
+    # GPUs per node once per search (whole zones from the view's incrementally kept
+    # counts), the victims already chosen incrementally (that list only grows), and per
+    # test only the option's own freed GPUs, instead of re-merging every free node and
+    # every chosen GPU per call.
+    free_now = state._free_total(zones)
+    tp = job.tp
+    groups_needed = dp * job.pp
+    view = state.view
+    base: dict[str, int] = {}
+    search: dict[str, object] = {}
+
+    def have_free(node: str) -> int:
+        z = view.zone_of_node.get(node)
+        return len(view.free.get(z, {}).get(node, ())) if zones[z] is None else base.get(node, 0)
+
+    def count(gpus: Sequence[Gpu], into: dict[str, int]) -> None:
+        for g in gpus:
+            if view.zone(g) in zone_set and state.nodes[g.node].health in PLACEABLE_HEALTH:
+                into[g.node] = into.get(g.node, 0) + 1
+
+    def fits_split(chosen: list[Gpu], extra: Sequence[Gpu]) -> bool:
+        if free_now + len(chosen) + len(extra) < need:
+            return False
+        if groups_needed <= 0:
+            return True
+        if "groups" not in search:
+            total = 0
+            for z, limit in zones.items():
+                if limit is None:
+                    total += view.free_groups(z, tp)
+                else:
+                    # Same counts as view.candidates() for a capped zone.
+                    for n, idx in view.candidates({z: limit}).items():
+                        base[n] = len(idx)
+                        total += len(idx) // tp
+            search["groups"] = total
+        if search.get("list") is not chosen:
+            search["list"], search["seen"], search["added"], search["gain"] = chosen, 0, {}, 0
+        added: dict[str, int] = search["added"]  # type: ignore[assignment]
+        seen: int = search["seen"]  # type: ignore[assignment]
+        if seen < len(chosen):
+            more: dict[str, int] = {}
+            count(chosen[seen:], more)
+            gain: int = search["gain"]  # type: ignore[assignment]
+            for node, k in more.items():
+                now = have_free(node) + added.get(node, 0)
+                gain += (now + k) // tp - now // tp
+                added[node] = added.get(node, 0) + k
+            search["seen"], search["gain"] = len(chosen), gain
+        extra_added: dict[str, int] = {}
+        count(extra, extra_added)
+        groups: int = search["groups"] + search["gain"]  # type: ignore[operator]
+        for node, k in extra_added.items():
+            now = have_free(node) + added.get(node, 0)
+            groups += (now + k) // tp - now // tp
+        return groups >= groups_needed
+
+    def fits(freed: list[Gpu]) -> bool:
+        return fits_split([], freed)
+
+    options = choose_victims(candidates(), fits, state.config, floor_dp=lambda j: floors.get(j.name),
+                             fits_split=fits_split)
+    if options is None:
+        state.victim_failed_at[key] = min(need, state.victim_failed_at.get(key, 1 << 30))
+        return False
+    names = []
+    for opt in options:
+        names.append(opt.job.name)
+        emit_victim(state, opt, job, forced, aged)
+    if state.kill:
+        return state._try_place(job, dp, 0, [], [], kind, entitled)
+    soon_gpus = sum(len(o.freed) for o in options)
+    state._claim_soon_free(zones, soon_gpus)
+    state._claim_free(job, zones, need)
+    state._hold(job, "waiting_for_release",
+                f"Waiting for {soon_gpus} GPUs that {', '.join(names)} are saving and releasing; "
+                f"then it starts on {replica_count(dp)}.",
+                gpus_needed=need, victims=names)
+    return True
+
+
+def victim_pool(state: PlanningPass) -> list[VictimEntry]:
+    """Running non-critical jobs that could give GPUs back, in victim order.
+
+    Built once per pass with what the filters need precomputed; entries already acted on
+    are dropped from time to time so later searches stay short.
+    """
+    if state._victims_sorted is None:
+        pool = [
+            j for j in state.jobs.values()
+            if j.holdings and j.phase in ("running", "checkpointing") and j.name not in state.busy
+            and PRIORITY_RANK[j.priority] > 0
+        ]
+        pool.sort(key=lambda j: victim_sort_key(j, state.config))
+        state._victims_sorted = [
+            VictimEntry(
+                job=j,
+                zones=frozenset(state.view.zone_of_node.get(h.gpu.node) for h in j.holdings),
+                rank=PRIORITY_RANK[j.priority],
+                protected=protected_by_min_run(j, state.now),
+                excess=j.current_dp > j.dp,
+                aged=is_aged(j, state.now, state.config),
+            )
+            for j in pool
+        ]
+        state._victims_acted_seen = len(state.acted)
+        state._victims_head = 0
+    elif len(state.acted) - state._victims_acted_seen >= max(16, len(state._victims_sorted) // 8):
+        state._victims_sorted = [e for e in state._victims_sorted if e.job.name not in state.acted]
+        state._victims_acted_seen = len(state.acted)
+        state._victims_head = 0
+    # The cheapest victims are taken first, so acted-on entries gather at the head: skip
+    # that prefix once instead of re-testing it on every search (the searches skip acted
+    # entries anyway).
+    entries = state._victims_sorted
+    head = state._victims_head
+    while head < len(entries) and entries[head].job.name in state.acted:
+        head += 1
+    state._victims_head = head
+    return entries
+
+
+def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: bool, aged: bool) -> None:
+    """Issue the shrink or preemption ``opt`` describes, saying whom it makes room for."""
+    job = opt.job
+    p = predict(job, state.config)
+    unsaved = max(0, job.committed_steps - job.last_checkpoint_step)
+    inputs = {
+        "for_job": requester.name,
+        "for_priority": requester.priority,
+        "victim_priority": job.priority,
+        "steps_since_save": unsaved,
+        "predicted_step_s": round(p.step_s, 3),
+        "predicted_save_s": p.save_s,
+        "loss_gpu_s": round(opt.cost_gpu_s, 1),
+        "gpus_freed": len(opt.freed),
+        "run_s": round(state.now - job.run_started_s, 1) if job.run_started_s is not None else 0.0,
+        "min_run_s": job.min_run_s,
+    }
+    why = (f"{requester.name} ({requester.priority}"
+           f"{', waiting ' + format(waited_s(requester, state.now), '.0f') + 's' if aged else ''}) needs GPUs")
+    deadline = state.now + p.step_s + p.save_s * state.config.safety_factor + state.config.reclaim_margin_s
+    rule = "victims" if not aged or PRIORITY_RANK[job.priority] > 1 else "starvation"
+    if opt.is_shrink:
+        d_after = len(opt.kept) // (job.tp * job.pp)
+        text = (f"{why}; this {job.priority} job gives back {len(opt.freed)} GPUs by shrinking from dp "
+                f"{job.current_dp} to {d_after} (accumulation {accum_steps(job, job.current_dp)} -> "
+                f"{accum_steps(job, d_after)}, global batch {job.global_batch} unchanged) rather "
+                f"than stopping; it was the cheapest choice ({opt.cost_gpu_s:.0f} GPU-s at risk).")
+        state._emit("shrink", job, opt.kept, Reason(rule, text, inputs),
+                    deadline_s=deadline, graceful=not state.kill, forced=forced)
+    else:
+        text = (f"{why}; this {job.priority} job was the cheapest to stop ({unsaved} steps since its "
+                f"last save, {opt.cost_gpu_s:.0f} GPU-s at risk)"
+                f"{'' if state.kill else ' and saves a checkpoint first'}.")
+        state._emit("preempt", job, (), Reason(rule, text, inputs),
+                    deadline_s=deadline, graceful=not state.kill, forced=forced)

@@ -214,3 +214,21 @@ def test_source_state_known_to_this_process_is_checked_not_trusted(node, django_
     assert int.from_bytes(bytes(source.window), "big") == 0b111001
     assert ingest_gpu_batch(node, gpu_batch(seq=1, samples=8, start_s=start + 1)).duplicate
     assert GpuSample.objects.count() == 24
+
+
+def test_the_live_stage_hears_of_a_stored_batch_once_and_only_after_commit(
+    node, monkeypatch, django_capture_on_commit_callbacks
+):
+    from telemetry.ingest import store
+
+    heard: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(store, "send_live", lambda kind, node, rows: heard.append((str(kind), node.pk, len(rows))))
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        ingest_gpu_batch(node, gpu_batch(seq=0, samples=8))
+    assert heard == []
+    for callback in callbacks:
+        callback()
+    assert heard == [("gpu", node.pk, 8)]
+    with django_capture_on_commit_callbacks(execute=True):
+        assert ingest_gpu_batch(node, gpu_batch(seq=0, samples=8)).duplicate
+    assert heard == [("gpu", node.pk, 8)]

@@ -1,0 +1,355 @@
+"""Rules 4-8 at the queue: admit each waiting job, in queue order, or hold it saying why.
+
+Queue order is *entitled owners, fault recovery, other critical, then everyone else by aged
+class, class, wait* (``queue_tier`` and ``starvation.queue_key``). Each job is placed on free
+GPUs at its preferred size (an entitled job in its own pool first; others may use lendable
+reserved GPUs), else continues on the survivors of a fault, else waits for GPUs already on
+their way back, else (critical and recovering work at its preferred size; others first at a
+smaller batch-exact size on what is free) takes GPUs from cheaper victims, else gets a
+``hold`` with the reason. Cheap upper bounds hold the tail of a long queue without a search.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jobs.planner.decisions import Action, Reason
+from jobs.planner.entitlements import is_active, next_start_s
+from jobs.planner.faults import continue_on_survivors, surviving_replicas
+from jobs.planner.harvest import loan_notes, refused_loan_notes
+from jobs.planner.layout import accum_steps, valid_dps
+from jobs.planner.rhythm import reclaim_lead_time
+from jobs.planner.snapshot import PRIORITY_RANK, WAITING_PHASES, Gpu, Job
+from jobs.planner.starvation import effective_rank, is_aged, queue_key, waited_s
+from jobs.planner.topology import spread_of
+from jobs.planner.wording import fmt_t, replica_count
+
+if TYPE_CHECKING:
+    from jobs.planner.core import PlanningPass
+
+INFINITY = math.inf
+LOST_HEALTH = frozenset({"failed"})
+
+# Queue tiers: lower goes first.
+TIER_ENTITLED = 0
+TIER_RECOVERING = 1
+TIER_CRITICAL = 2
+TIER_OTHER = 3
+
+
+def queue_tier(state: PlanningPass, job: Job) -> int:
+    """Which tier of the queue ``job`` waits in (``TIER_*``, lower goes first)."""
+    if state._entitled_now(job):
+        return TIER_ENTITLED
+    if job.phase == "recovering":
+        return TIER_RECOVERING
+    if job.priority == "critical":
+        return TIER_CRITICAL
+    return TIER_OTHER
+
+
+def admit_waiting(state: PlanningPass) -> None:
+    """Hold jobs in an idle phase or between windows; admit the others in queue order."""
+    waiting: list[tuple[tuple, Job]] = []
+    lost_nodes = {n for n, node in state.nodes.items() if node.health in LOST_HEALTH}
+    for job in state.jobs.values():
+        if job.name in state.busy or job.name in state.acted:
+            continue
+        has_lost = bool(lost_nodes) and bool(job.holdings) and any(
+            h.gpu.node in lost_nodes or h.gpu.node not in state.nodes for h in job.holdings
+        )
+        if job.phase in WAITING_PHASES or job.phase == "recovering" or has_lost:
+            if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
+                state._hold(job, "idle_phase",
+                            f"In an idle phase (evaluation or data stall) until {fmt_t(job.idle_until_s)}; "
+                            f"its {len(job.parked)} GPUs are lent meanwhile and come back by then.",
+                            idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
+                continue
+            dormant = state._dormant_between_windows(job)
+            if dormant is not None and not job.holdings:
+                t = next_start_s(dormant, state.now)
+                state._hold(job, "between_windows",
+                            f"Waiting for its reservation window '{dormant.name}' to open at "
+                            f"{fmt_t(t)}; the job needs no GPUs between windows.",
+                            reservation=dormant.name, next_start_s=None if t == INFINITY else t)
+                continue
+            waiting.append((queue_key(job, state.now, state.config, state._tier(job)), job))
+    waiting.sort(key=lambda kv: kv[0])
+    for _, job in waiting:
+        state._admit(job)
+
+
+def admit(state: PlanningPass, job: Job) -> None:
+    """Start ``job`` now if it can, else make room or wait for GPUs coming back, else hold it."""
+    rep = job.tp * job.pp
+    dps = [d for d in reversed(valid_dps(job)) if d <= job.dp]
+    if not dps:
+        dps = list(reversed(valid_dps(job)))
+    preferred = dps[0]
+    rank = effective_rank(job, state.now, state.config)
+    if not job.holdings and job.phase != "recovering" and not job.parked:
+        # Cheapest test first, for long queues: fewer GPUs free anywhere than the job's
+        # smallest size, nothing coming back, and no way to take GPUs from others.
+        groups = groups_upper_bound(state, job)
+        blocked = dps[-1] * job.pp > groups and not any(state.soon_free.values())
+        if not blocked and not state._entitled_now(job):
+            # Count only the zones this job may really use, and what is coming back there.
+            zones_min = state._zones_for(job, dps[-1])
+            groups = sum(
+                state.view.free_groups(z, job.tp) if limit is None
+                else min(state.view.free_groups(z, job.tp), limit // job.tp)
+                for z, limit in zones_min.items()
+            )
+            soon = sum(state.soon_free.get(z, 0) for z in zones_min)
+            blocked = (dps[-1] * job.pp > groups and soon == 0) or (
+                state._free_total(zones_min) + soon < dps[-1] * rep)
+        if blocked and not state._entitled_now(job):
+            aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+            key = (PRIORITY_RANK[job.priority], rank, False, aged)
+            if rank >= PRIORITY_RANK["best_effort"] or state.victim_failed_at.get(key, 1 << 30) <= dps[-1] * rep:
+                hold_queue_full(state, job, preferred, rep, groups * job.tp, rank)
+                return
+    recovering = job.phase == "recovering" or (bool(job.holdings) and any(
+        state.nodes.get(h.gpu.node) is None or state.nodes[h.gpu.node].health in LOST_HEALTH for h in job.holdings
+    ))
+    survivors = surviving_replicas(job, state.nodes, LOST_HEALTH) if job.holdings else []
+    held_dp = len(survivors)
+    survivor_gpus = [g for r in survivors for g in r]
+    anchor = sorted({g.node for g in survivor_gpus}) or sorted({h.gpu.node for h in job.holdings})
+    entitled = state._entitled_now(job)
+    kind = "recover" if recovering else "place"
+    forced = entitled or recovering
+
+    # Fast path for a long queue: nothing free for even the smallest size, nothing on its
+    # way back, and no way to take GPUs (best-effort, or a victim search that already
+    # failed for a request this size in this pass): hold at once.
+    if not forced:
+        smallest_need = dps[-1] * rep
+        zones_min = state._zones_for(job, dps[-1])
+        if (state._free_total(zones_min) < smallest_need
+                and not any(state.soon_free.get(z, 0) for z in zones_min)):
+            aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+            key = (PRIORITY_RANK[job.priority], rank, False, aged)
+            if rank >= PRIORITY_RANK["best_effort"] or state.victim_failed_at.get(key, 1 << 30) <= smallest_need:
+                hold_for_capacity(state, job, preferred, rep,
+                                  state._free_total(state._zones_for(job, preferred)), rank)
+                return
+
+    # (a) Fault with enough survivors: continue on them (rule 7) unless spares are at hand.
+    if recovering and held_dp:
+        if state._try_place(job, preferred, held_dp, survivor_gpus, anchor, kind, entitled):
+            return
+        if continue_on_survivors(state, job, survivors):
+            return
+
+    # (b) Free GPUs at the preferred size: an entitled job's own pool first, then general
+    # capacity (and, for others, lendable reserved GPUs).
+    if entitled and state._try_place(job, preferred, 0, [], anchor, kind, entitled, own_pool_only=True):
+        return
+    if state._try_place(job, preferred, 0, [], anchor, kind, entitled):
+        return
+    # (c) GPUs already on their way back to the queue: wait for them rather than take more.
+    wait_dp = preferred if (job.priority == "critical" or recovering) else dps[-1]
+    need = wait_dp * rep
+    zones = state._zones_for(job, wait_dp)
+    free_total = state._free_total(zones)
+    soon = sum(state.soon_free.get(z, 0) for z in zones)
+    if free_total + soon >= need and soon > 0:
+        state._claim_soon_free(zones, need - free_total)
+        state._claim_free(job, zones, free_total)
+        names = sorted({n for z in zones for n in state.soon_free_by.get(z, [])})
+        state._hold(job, "waiting_for_release",
+                    f"Waiting for {need - free_total} GPUs that {', '.join(names[:5]) or 'other jobs'} "
+                    f"are saving and releasing; then it starts on {replica_count(wait_dp)}.",
+                    gpus_needed=need, gpus_free=free_total, gpus_returning=soon)
+        return
+    # (d) Critical work takes GPUs from cheaper victims at its preferred size (rule 4);
+    # (e) others first start smaller on what is free (they grow later), and only then take
+    # GPUs from victims, for their smallest batch-exact size.
+    if job.priority == "critical" or recovering:
+        if state._try_victims(job, preferred, zones, rank, forced, kind, entitled):
+            return
+    for d in dps[1:]:
+        if state._try_place(job, d, 0, [], anchor, kind, entitled):
+            return
+    if job.priority != "critical" and not recovering:
+        smallest = dps[-1]
+        if state._try_victims(job, smallest, state._zones_for(job, smallest), rank, forced, kind, entitled):
+            return
+    # (f) Hold, saying why.
+    hold_for_capacity(state, job, preferred, rep, free_total, rank)
+
+
+def groups_upper_bound(state: PlanningPass, job: Job) -> int:
+    """At most how many free ``tp``-GPU groups any zone could give ``job`` now (cheap, cached)."""
+    own = tuple(r.name for r in state.res_of_job.get(job.name, ()))  # already sorted
+    key = (job.tp, job.priority == "critical", own, state.view.generation)
+    hit = state._bound_cache.get(key)
+    if hit is not None:
+        return hit
+    # The pools' part depends only on (tp, critical, free set), not on the job: count it
+    # once for every pool as if none were the job's own, then correct for its own pools
+    # (usually none or one) instead of walking every pool for every waiting job.
+    critical = job.priority == "critical"
+    pools_key = (job.tp, critical, state.view.generation)
+    per_pool = state._pools_bound_cache.get(pools_key)
+    if per_pool is None:
+        shortest_s = state.config.startup_s + state.config.reclaim_margin_s
+        parts: dict[str, tuple[int, int]] = {}
+        other_total = 0
+        for name, pool in state.pools.items():
+            if not state.view.zone_total.get(name, 0):
+                continue
+            groups = state.view.free_groups(name, job.tp)
+            if state.kill:
+                other = groups
+            elif not critical:
+                window_s = pool.next_need_s - state.now
+                other = groups if window_s > shortest_s else min(groups, pool.spare_lendable // job.tp)
+            else:
+                other = 0
+            parts[name] = (groups, other)
+            other_total += other
+        per_pool = (other_total, parts)
+        state._pools_bound_cache[pools_key] = per_pool
+    other_total, parts = per_pool
+    bound = state.view.free_groups(None, job.tp) + other_total
+    for name in set(own):
+        part = parts.get(name)
+        if part is not None:
+            bound += part[0] - part[1]
+    state._bound_cache[key] = bound
+    return bound
+
+
+def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, free_anywhere: int, rank: int) -> None:
+    """The cheap hold for the tail of a long queue: nothing anywhere could start it."""
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    need = preferred * rep
+    why = ("best-effort jobs never preempt others" if rank >= PRIORITY_RANK["best_effort"]
+           else "no lower-priority job can give GPUs back now")
+    text = (f"Pending: needs {need} GPUs ({replica_count(preferred)} of {rep}; at least {job.dp_min * rep}) "
+            f"and at most {free_anywhere} GPUs it may use are free in whole {job.tp}-GPU TP groups; {why}.")
+    state.actions.append(Action(
+        kind="hold", job=job.name,
+        reason=Reason("hold", text, {"cause": "capacity", "gpus_needed": need, "gpus_min": job.dp_min * rep,
+                                     "gpus_free": free_anywhere, "effective_rank": rank}),
+        global_batch=job.global_batch,
+    ))
+
+
+def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
+    """Hold a job that cannot start now, with the reasons in plain words."""
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    need = preferred * rep
+    min_need = job.dp_min * rep
+    lend_notes = refused_loan_notes(state, job)
+    text = (
+        f"Pending: needs {need} GPUs ({replica_count(preferred)} of {rep}; at least {min_need}) and "
+        f"{free_total} usable GPUs are free"
+    )
+    if lend_notes:
+        text += "; " + "; ".join(lend_notes)
+    if rank >= PRIORITY_RANK["best_effort"]:
+        text += "; best-effort jobs never preempt others"
+    else:
+        text += "; no lower-priority job can give GPUs back now (min_run_s protects recent starts)"
+    if waited_s(job, state.now) > 0 and rank < PRIORITY_RANK[job.priority]:
+        text += f"; it has waited {waited_s(job, state.now):.0f}s and has aged up a class"
+    state._hold(job, "capacity", text + ".", gpus_needed=need, gpus_min=min_need,
+                gpus_free=free_total, waited_s=round(waited_s(job, state.now), 1),
+                effective_rank=rank)
+
+
+def try_place(
+    state: PlanningPass,
+    job: Job,
+    dp: int,
+    held_dp: int,
+    held_gpus: list[Gpu],
+    anchor: Sequence[str],
+    kind: str,
+    entitled: bool,
+    own_pool_only: bool = False,
+) -> bool:
+    """Start ``job`` at ``dp`` (keeping ``held_gpus``) on free GPUs of the zones it may use, if they fit."""
+    extra = dp - held_dp
+    if extra < 0:
+        return False
+    zones = state._zones_for(job, dp)
+    if own_pool_only:
+        own = {r.name for r in state.res_of_job.get(job.name, ())}
+        zones = {z: n for z, n in zones.items() if z in own}
+        if not zones:
+            return False
+    if state._free_total(zones) < extra * job.tp * job.pp:
+        return False
+    if extra == 0:
+        new: tuple[Gpu, ...] = ()
+    else:
+        # A request that did not fit still does not fit (nor does a bigger one) until the
+        # free set changes: remember failures per zone set and shape.
+        memo_key = (tuple(sorted(zones.items(), key=lambda kv: (kv[0] is not None, kv[0] or ""))),
+                    job.tp, job.pp, state.view.generation)
+        if state._place_failed.get(memo_key, 1 << 30) <= extra:
+            return False
+        groups = sum(
+            state.view.free_groups(z, job.tp) if limit is None
+            else min(state.view.free_groups(z, job.tp), limit // job.tp)
+            for z, limit in zones.items()
+        )
+        if groups < extra * job.pp:
+            state._place_failed[memo_key] = min(extra, state._place_failed.get(memo_key, 1 << 30))
+            return False
+        found = state.view.place(zones, job.tp, job.pp, extra, anchor)
+        if found is None:
+            state._place_failed[memo_key] = min(extra, state._place_failed.get(memo_key, 1 << 30))
+            return False
+        new = found
+    after = list(held_gpus) + list(new)
+    emit_start(state, job, kind, after, dp, entitled)
+    return True
+
+
+def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: int, entitled: bool) -> None:
+    """Issue the ``place``, ``lend`` (on borrowed GPUs) or ``recover`` that starts ``job`` on ``after``."""
+    spread = spread_of(after, state.nodes)
+    own = {r.name for r in state.res_of_job.get(job.name, ())}
+    lent = sorted({z for g in after if (z := state.view.zone(g)) is not None and z not in own})
+    inputs: dict[str, object] = {"dp": dp, "gpus": len(after), **spread.as_inputs(),
+                                 "waited_s": round(waited_s(job, state.now), 1)}
+    deadline = None
+    if lent:
+        loan_end = min(state.pools[z].next_need_s for z in lent)
+        deadline = None if loan_end == INFINITY else loan_end
+        kind_out = "lend"
+        rule = "harvest.lend"
+        window_notes = loan_notes(state, job, dp, lent)
+        text = (f"Started on {replica_count(dp)} ({len(after)} GPUs, {spread.describe()}) using lent "
+                f"GPUs nobody is using now: {'; '.join(window_notes)}.")
+        if loan_end < INFINITY:
+            text += f" The loan ends {fmt_t(loan_end)}; the job will be asked to save ahead of it."
+        inputs["loan_ends_s"] = None if loan_end == INFINITY else loan_end
+        inputs["lead_time_s"] = round(reclaim_lead_time(job, state.config), 3)
+    elif kind == "recover":
+        kind_out = "recover"
+        rule = "faults"
+        text = (f"Recovering from a fault: restarts from step {job.last_checkpoint_step} on {dp} "
+                f"replica(s) ({spread.describe()}), nearest to where it ran.")
+    else:
+        kind_out = "place"
+        rule = "entitlement" if entitled else "placement"
+        own_active = [r.name for r in state.res_of_job.get(job.name, ()) if is_active(r, state.now)]
+        if own_active and own_active[0].startswith("idle:"):
+            who = "its idle phase is over and its lent GPUs are back"
+        elif entitled:
+            who = "its reservation is active"
+        else:
+            who = f"{len(after)} GPUs were free"
+        text = f"Started on {replica_count(dp)} ({len(after)} GPUs, {spread.describe()}): {who}."
+    if dp != job.dp:
+        text += (f" Runs at dp {dp} instead of {job.dp} with accumulation {accum_steps(job, dp)}, "
+                 f"keeping the global batch {job.global_batch}.")
+    state._emit(kind_out, job, after, Reason(rule, text, inputs), deadline_s=deadline)

@@ -1,0 +1,79 @@
+"""Rule 5, growth: an elastic job grows into GPUs nobody of its class or higher waits for.
+
+Only after ``resize_hysteresis_s`` since its last resize or start, only when no job of equal
+or higher class was held for capacity in this pass, only to a batch-exact DP (the global batch
+never changes: accumulation is recomputed, see ``layout``), and only when the predicted saving
+over the remaining run beats ``grow_gain_factor`` x (step + save + load). GPUs borrowed from a
+pool make it a ``lend`` that ends when the pool needs them. Reasons carry the rule name
+``resize``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from jobs.planner.decisions import Reason
+from jobs.planner.layout import accum_steps, batch_divides
+from jobs.planner.rhythm import predict, step_time_at
+from jobs.planner.snapshot import PRIORITY_RANK
+from jobs.planner.topology import choose_gpus, spread_of
+
+if TYPE_CHECKING:
+    from jobs.planner.core import PlanningPass
+
+INFINITY = math.inf
+
+
+def grow_elastic_jobs(state: PlanningPass) -> None:
+    """Grow running elastic jobs, higher class first, to the largest DP that pays for itself."""
+    growers = sorted(
+        (j for j in state.jobs.values()
+         if j.phase == "running" and j.name not in state.busy and j.name not in state.acted
+         and j.holdings and j.current_dp < j.dp_max),
+        key=lambda j: (PRIORITY_RANK[j.priority], j.name),
+    )
+    for job in growers:
+        if PRIORITY_RANK[job.priority] >= state.capacity_blocked_rank:
+            continue
+        since = job.last_resize_s if job.last_resize_s is not None else job.run_started_s
+        if since is not None and state.now - since < state.config.resize_hysteresis_s:
+            # No wake-up for this: growth is opportunistic and the next pass will do.
+            continue
+        d = job.current_dp
+        zones = state._zones_for(job, job.dp_max)
+        free = state._free_total(zones)
+        if free < job.tp * job.pp:
+            continue
+        cand = state.view.candidates(zones)
+        anchor = sorted({g.node for g in job.gpus})
+        p = predict(job, state.config)
+        for target in range(job.dp_max, d, -1):
+            if not batch_divides(job, target):
+                continue
+            if (target - d) * job.tp * job.pp > free:
+                continue
+            now_step = step_time_at(job, d, p.mean_step_s, d)
+            new_step = step_time_at(job, target, p.mean_step_s, d)
+            saved_s = job.remaining_steps * (now_step - new_step)
+            cost_s = p.step_s + p.save_s + p.load_s
+            if saved_s < state.config.grow_gain_factor * cost_s:
+                continue
+            new = choose_gpus(cand, state.nodes, job.tp, job.pp, target - d, anchor)
+            if new is None:
+                continue
+            after = list(job.gpus) + list(new)
+            lent = sorted({z for g in new if (z := state.view.zone(g)) is not None})
+            loan_end = min((state.pools[z].next_need_s for z in lent), default=INFINITY)
+            state._emit("lend" if lent else "grow", job, after,
+                        Reason("resize",
+                               f"{len(new)} GPUs are free and nobody of equal or higher priority is "
+                               f"waiting: the job grows from dp {d} to {target}; accumulation goes "
+                               f"{accum_steps(job, d)} -> {accum_steps(job, target)} so the global batch "
+                               f"stays {job.global_batch}. Predicted saving {saved_s:.0f}s over the "
+                               f"remaining run against {cost_s:.0f}s to resize.",
+                               {"dp_before": d, "dp_after": target, "saved_s": round(saved_s, 1),
+                                "resize_cost_s": round(cost_s, 1), "free_gpus": free,
+                                **spread_of(after, state.nodes).as_inputs()}),
+                        deadline_s=loan_end if loan_end < INFINITY else None)
+            break
