@@ -102,8 +102,22 @@ def _insert(table: str, columns: list[str], rows: list[tuple]) -> None:
             cursor.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({placeholders})", rows)
 
 
+def backdate_holding(job, since: datetime) -> None:
+    """Take ``job`` to have held its current GPUs since ``since``: its allocations and their open
+    spans move back, so telemetry seeded from then on shows on its charts."""
+    from django.db import transaction
+
+    from jobs.models import Allocation, AllocationSpan
+
+    with transaction.atomic():
+        Allocation.objects.filter(job=job).update(since=since)
+        AllocationSpan.objects.filter(job=job, ended_at__isnull=True).update(started_at=since)
+
+
 def seed_history(job, nodes, days: int, now: datetime) -> dict[str, int]:
-    """A week of telemetry for ``job``'s GPUs: minute and hour rollups, the last hour raw."""
+    """A week of telemetry for ``job``'s GPUs: minute and hour rollups, the last hour raw. The
+    job is taken to have held its GPUs since the history starts (a job's charts show each GPU
+    only over the time it held it)."""
     import math
 
     from django.db import connection, transaction
@@ -113,6 +127,7 @@ def seed_history(job, nodes, days: int, now: datetime) -> dict[str, int]:
 
     start = (now - timedelta(days=days)).replace(second=0, microsecond=0)
     end = now.replace(second=0, microsecond=0)
+    backdate_holding(job, start)
     adapt = (lambda v: v) if connection.vendor == "postgresql" else connection.ops.adapt_datetimefield_value
     for table in ("telemetry_gpusample", "telemetry_gpuminute", "telemetry_gpuhour", "telemetry_steprecord",
                   "telemetry_stepminute", "telemetry_stephour"):

@@ -18,6 +18,11 @@ The part of the range newer than a rollup level's watermark (not rolled up yet) 
 the next finer level and merged, so a chart ending "now" is always fresh. Bucketing happens in
 the database; on PostgreSQL each trace comes back as one row of arrays.
 
+A job's GPU chart reads each GPU only over the spans the job held it (``AllocationSpan``), as
+keyed ``Window``s: a GPU that served another job before shows none of that job's readings. The
+part-buckets at a span's ends (a minute or an hour shared by two holders) are read from the
+next finer level too, so no rollup bucket mixes them.
+
 Results are plain dicts ready for JSON and Plotly: ``{"level", "bucket_s", "start", "end",
 "traces": {key: {"t": [...epoch seconds, bucket start], <metric>: [...], "samples": [...]}}}``.
 A bucket with no data is simply absent from a trace (gaps stay gaps).
@@ -98,6 +103,17 @@ class Plan:
     origin_s: int  # epoch seconds of bin 0's start
 
 
+@dataclass(frozen=True)
+class Window:
+    """A stretch [lower, upper) of time whose readings count: of the series ``key`` (a GPU's
+    ``(node_id, gpu_index)`` over a span a job held it) or, with no key, of every series the
+    query selects."""
+
+    lower: datetime
+    upper: datetime
+    key: tuple[int, ...] = ()
+
+
 @dataclass
 class _Trace:
     bins: np.ndarray
@@ -165,6 +181,34 @@ def _param(at: datetime) -> Any:
     return connection.ops.adapt_datetimefield_value(at)
 
 
+def _aligned(at: datetime, resolution_s: int, up: bool) -> datetime:
+    """``at`` rounded to a multiple of ``resolution_s`` (up or down)."""
+    steps = _epoch(at) / resolution_s
+    return datetime.fromtimestamp((math.ceil(steps) if up else math.floor(steps)) * resolution_s, UTC)
+
+
+def _keyed_windows_sql(source: Source, key_columns: Sequence[str], windows: Sequence[Window]) -> tuple[str, list]:
+    """The FROM clause that keeps each key's rows inside that key's windows (they never
+    overlap): the table joined to one set of arrays on PostgreSQL whatever the number of
+    windows; on SQLite a VALUES list, as the outer loop (``CROSS JOIN``), so each window is a
+    range scan of the table's (key, time) index rather than the table a scan per window."""
+    width = len(key_columns)
+    columns = [f"column{i + 1}" for i in range(width + 2)]
+    if _postgres():
+        arrays = ", ".join(["%s::bigint[]"] * width + ["%s::timestamptz[]"] * 2)
+        joined = f"{source.table} JOIN unnest({arrays}) AS w({', '.join(columns)})"
+        params: list[Any] = [[w.key[i] for w in windows] for i in range(width)]
+        params += [[w.lower for w in windows], [w.upper for w in windows]]
+    else:
+        row = f"({', '.join(['%s'] * (width + 2))})"
+        # SQLite names a VALUES list's columns column1, column2, ...
+        joined = f"(VALUES {', '.join([row] * len(windows))}) AS w CROSS JOIN {source.table}"
+        params = [v for w in windows for v in (*w.key, _param(w.lower), _param(w.upper))]
+    on = [f"{column} = w.{columns[i]}" for i, column in enumerate(key_columns)]
+    on += [f"{source.time_column} >= w.{columns[width]}", f"{source.time_column} < w.{columns[width + 1]}"]
+    return f"{joined} ON {' AND '.join(on)}", params
+
+
 def _metric_sql(level: str, metrics: dict[str, tuple[str, str, str]], names: Sequence[str], count: str) -> list[str]:
     exprs = []
     for name in names:
@@ -180,12 +224,13 @@ def _metric_sql(level: str, metrics: dict[str, tuple[str, str, str]], names: Seq
 
 
 def _binned(
-    source: Source, level: str, plan: Plan, start: datetime, end: datetime,
+    source: Source, level: str, plan: Plan, windows: Sequence[Window],
     key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
     metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool,
 ) -> dict[tuple, _Trace]:
-    """Bucket [start, end) of one level's table; one _Trace per key. ``unique_per_bucket``: the
-    keys and filters pick at most one rollup row per bucket (a GPU, a job)."""
+    """Bucket the rows of one level's table that lie in ``windows`` (keyed ones, or a single one
+    for every series); one _Trace per key. ``unique_per_bucket``: the keys and filters pick at
+    most one rollup row per bucket (a GPU, a job)."""
     # A rollup read at its own resolution, one row per trace and bucket, needs no re-binning:
     # each row is a point (the common case for week and month charts).
     direct = unique_per_bucket and level != "raw" and plan.bucket_s == LEVEL_RESOLUTION_S[level]
@@ -197,8 +242,17 @@ def _binned(
         metric_sql = _metric_sql(level, metrics, names, source.count_column or "1")
     selects = [*key_columns, f"{_bin_expr(source.time_column)} AS b", f"{count} AS n",
                *(f"{expr} AS m{i}" for i, expr in enumerate(metric_sql))]
-    where = [f"{source.time_column} >= %s", f"{source.time_column} < %s"]
-    params: list[Any] = [plan.origin_s, plan.bucket_s, _param(start), _param(end)]
+    params: list[Any] = [plan.origin_s, plan.bucket_s]
+    from_sql = source.table
+    if windows[0].key:
+        from_sql, join_params = _keyed_windows_sql(source, key_columns, windows)
+        params += join_params
+    where: list[str] = []
+    if not windows[0].key or _postgres():
+        # The bounds of all windows: PostgreSQL skips the partitions outside them. (SQLite would
+        # scan its index between them for every window instead of between the window's own.)
+        where = [f"{source.time_column} >= %s", f"{source.time_column} < %s"]
+        params += [_param(min(w.lower for w in windows)), _param(max(w.upper for w in windows))]
     for column, values in filters:
         values = list(values)
         if not values:
@@ -206,7 +260,7 @@ def _binned(
         where.append(f"{column} IN ({', '.join(['%s'] * len(values))})")
         params.extend(values)
     group = ", ".join([*key_columns, "b"])
-    inner = f"SELECT {', '.join(selects)} FROM {source.table} WHERE {' AND '.join(where)}"
+    inner = f"SELECT {', '.join(selects)} FROM {from_sql}" + (f" WHERE {' AND '.join(where)}" if where else "")
     if not direct:
         inner += f" GROUP BY {group}"
     keys = len(key_columns)
@@ -263,12 +317,12 @@ def _merge(head: _Trace, tail: _Trace, metrics: dict[str, tuple[str, str, str]])
 
 
 def _series(
-    sources: dict[str, Source], watermark_prefix: str, plan: Plan, start: datetime, end: datetime,
+    sources: dict[str, Source], watermark_prefix: str, plan: Plan, windows: Sequence[Window],
     key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
     metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool = True,
     traces_hint: int = 1,
 ) -> dict[tuple, _Trace]:
-    """Read ``plan.level`` up to its watermark and finer levels after it, merged."""
+    """Read ``windows`` from ``plan.level`` up to its watermark and finer levels after it, merged."""
     from telemetry.models import RollupWatermark
 
     marks = dict(
@@ -279,39 +333,73 @@ def _series(
             # Chart queries read few rows; parallel workers' start-up costs more than they save.
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL max_parallel_workers_per_gather = 0")
-        return _read_levels(sources, marks, watermark_prefix, plan, start, end, key_columns, filters, metrics,
+        return _read_levels(sources, marks, watermark_prefix, plan, windows, key_columns, filters, metrics,
                             names, unique_per_bucket, traces_hint)
 
 
 def _read_levels(
-    sources: dict[str, Source], marks: dict[str, datetime], watermark_prefix: str, plan: Plan, start: datetime,
-    end: datetime, key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
+    sources: dict[str, Source], marks: dict[str, datetime], watermark_prefix: str, plan: Plan,
+    windows: Sequence[Window], key_columns: Sequence[str], filters: Sequence[tuple[str, Sequence[int]]],
     metrics: dict[str, tuple[str, str, str]], names: Sequence[str], unique_per_bucket: bool, traces_hint: int,
 ) -> dict[tuple, _Trace]:
-    """The levels from ``plan.level`` down to raw, each up to its watermark, merged. A finer
-    tail is skipped when it alone would exceed the row budget (``traces_hint`` series, raw at
-    1 Hz)."""
+    """The levels from ``plan.level`` down to raw, merged. A rollup level reads each window up to
+    its watermark (``_split_at_level``); what is left goes to the next finer level. A finer
+    level is skipped when what is left would exceed the row budget there (``traces_hint``
+    series for a window without a key, raw at 1 Hz)."""
     traces: dict[tuple, _Trace] = {}
     level: str | None = plan.level
-    lower = start
-    while level is not None and lower < end:
+    pending = list(windows)
+    while level is not None and pending:
         if level != plan.level:
             row_interval_s = RAW_SAMPLE_INTERVAL_S if level == "raw" else LEVEL_RESOLUTION_S[level]
-            if traces_hint * (_epoch(end) - _epoch(lower)) / row_interval_s > ROW_BUDGET:
+            rows = sum((1 if w.key else traces_hint) * (_epoch(w.upper) - _epoch(w.lower)) for w in pending)
+            if rows / row_interval_s > ROW_BUDGET:
                 break  # a whole cluster's freshest tail: the chart ends at the coarser watermark
         if level == "raw":
-            upper = end
+            readable, pending = pending, []
         else:
-            mark = marks.get(f"{watermark_prefix}{level}")
-            upper = min(end, mark) if mark is not None else lower
-        if upper > lower:
-            part = _binned(sources[level], level, plan, lower, upper, key_columns, filters, metrics, names,
+            readable, pending = _split_at_level(pending, LEVEL_RESOLUTION_S[level],
+                                                marks.get(f"{watermark_prefix}{level}"))
+        if readable:
+            part = _binned(sources[level], level, plan, readable, key_columns, filters, metrics, names,
                            unique_per_bucket)
             for key, trace in part.items():
                 traces[key] = _merge(traces[key], trace, metrics) if key in traces else trace
-            lower = upper
         level = FINER.get(level)
     return traces
+
+
+def _split_at_level(windows: Sequence[Window], resolution_s: int,
+                    watermark: datetime | None) -> tuple[list[Window], list[Window]]:
+    """Split ``windows`` into what a rollup level of ``resolution_s`` answers (up to its
+    ``watermark``) and the rest, for a finer level.
+
+    A keyed window (a span a job held a GPU) takes only the whole buckets inside it, so that no
+    bucket mixes in another holder's readings: its part-buckets at either end go finer, a cheap
+    range scan of one GPU each. A window of every series keeps buckets from its start, as a
+    part-bucket at the start of a cluster chart is not worth a scan of the finer level's
+    partition for every GPU.
+    """
+    readable: list[Window] = []
+    rest: list[Window] = []
+    for window in windows:
+        if watermark is None:
+            rest.append(window)
+            continue
+        if window.key:
+            lower = _aligned(window.lower, resolution_s, up=True)
+            upper = min(_aligned(window.upper, resolution_s, up=False), _aligned(watermark, resolution_s, up=False))
+        else:
+            lower, upper = window.lower, min(window.upper, watermark)
+        if upper <= lower:
+            rest.append(window)
+            continue
+        readable.append(Window(lower, upper, window.key))
+        if window.lower < lower:
+            rest.append(Window(window.lower, lower, window.key))
+        if upper < window.upper:
+            rest.append(Window(upper, window.upper, window.key))
+    return readable, rest
 
 
 def _trace_dict(trace: _Trace, plan: Plan, names: Iterable[str]) -> dict[str, list]:
@@ -352,19 +440,20 @@ def gpu_utilisation_series(
     """One trace per GPU, keyed ``"<node name>/<gpu index>"``, over [start, end).
 
     Choose GPUs by ``node_ids`` (all their GPUs), explicit ``gpus`` ``(node_id, gpu_index)``
-    pairs, or ``job_id`` (the GPUs the job holds now). With none of them: every GPU that
-    reported. ``metrics`` are any of util_pct (mean), util_max_pct, mem_used_bytes, power_w,
-    temp_c. Each trace also has ``node``, ``node_name`` and ``gpu``.
+    pairs, or ``job_id``: every GPU the job held in the range, each only over the time it held
+    it (its ``AllocationSpan``s; a job that held none has no traces). With none of them: every
+    GPU that reported. ``metrics`` are any of util_pct (mean), util_max_pct, mem_used_bytes,
+    power_w, temp_c. Each trace also has ``node``, ``node_name`` and ``gpu``.
     """
-    from jobs.models import Allocation, Node
+    from jobs.models import Node
 
     unknown = set(metrics) - set(GPU_METRICS)
     if unknown:
         raise ValueError(f"unknown GPU metrics: {sorted(unknown)}")
-    wanted: set[tuple[int, int]] | None = None
     if job_id is not None:
-        wanted = set(Allocation.objects.filter(job_id=job_id).values_list("node_id", "gpu_index"))
-    elif gpus is not None:
+        return _job_gpu_series(job_id, start=start, end=end, max_points=max_points, metrics=metrics, now=now)
+    wanted: set[tuple[int, int]] | None = None
+    if gpus is not None:
         wanted = {(int(n), int(g)) for n, g in gpus}
     filters: list[tuple[str, Sequence[int]]] = []
     if wanted is not None:
@@ -381,18 +470,62 @@ def gpu_utilisation_series(
             filters.append(("node_id", sorted(set(node_ids))))
             filters.append(("gpu_index", list(range(sizes["most"] or 0))))
     plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
-    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, ["node_id", "gpu_index"], filters, GPU_METRICS, metrics,
-                     traces_hint=gpu_count)
+    traces = _series(GPU_SOURCES, "gpu-", plan, [Window(start, end)], ["node_id", "gpu_index"], filters, GPU_METRICS,
+                     metrics, traces_hint=gpu_count)
+    if wanted is not None:
+        traces = {key: trace for key, trace in traces.items() if key in wanted}
+    return _result(plan, start, end, _gpu_traces(traces, plan, metrics))
+
+
+def _job_gpu_series(
+    job_id: int, *, start: datetime, end: datetime, max_points: int, metrics: Sequence[str], now: datetime | None,
+) -> dict[str, Any]:
+    """``gpu_utilisation_series(job_id=...)``: each GPU over the spans the job held it in range."""
+    windows = job_gpu_windows(job_id, start, end)
+    # Rows to scan are GPU-seconds held, so a job that moved counts each GPU for its own time.
+    held_s = sum(_epoch(w.upper) - _epoch(w.lower) for w in windows)
+    plan = choose_plan(start, end, max_points, now=now,
+                       traces=max(1, math.ceil(held_s / (_epoch(end) - _epoch(start)))))
+    if not windows:
+        return _result(plan, start, end, {})
+    traces = _series(GPU_SOURCES, "gpu-", plan, windows, ["node_id", "gpu_index"], [], GPU_METRICS, metrics)
+    return _result(plan, start, end, _gpu_traces(traces, plan, metrics))
+
+
+def job_gpu_windows(job_id: int, start: datetime, end: datetime) -> list[Window]:
+    """The time each GPU was the job's within [start, end), from its allocation spans: one
+    window per stretch, keyed ``(node_id, gpu_index)``, overlapping or touching ones joined."""
+    from jobs.models import AllocationSpan
+
+    spans = (
+        AllocationSpan.objects.filter(job_id=job_id).overlapping(start, end)
+        .order_by("node_id", "gpu_index", "started_at").values_list("node_id", "gpu_index", "started_at", "ended_at")
+    )
+    windows: list[Window] = []
+    for node_id, gpu_index, started_at, ended_at in spans:
+        window = Window(max(start, started_at), min(end, ended_at or end), (node_id, gpu_index))
+        if window.upper <= window.lower:
+            continue
+        last = windows[-1] if windows else None
+        if last is not None and last.key == window.key and window.lower <= last.upper:
+            windows[-1] = Window(last.lower, max(last.upper, window.upper), window.key)
+        else:
+            windows.append(window)
+    return windows
+
+
+def _gpu_traces(traces: dict[tuple, _Trace], plan: Plan, metrics: Sequence[str]) -> dict[str, dict]:
+    """GPU traces keyed ``"<node name>/<gpu index>"``, in node name and index order."""
+    from jobs.models import Node
+
     names = dict(Node.objects.filter(pk__in={k[0] for k in traces}).values_list("pk", "name"))
     out: dict[str, dict] = {}
     for (node_id, gpu_index), trace in sorted(traces.items(), key=lambda kv: (names.get(kv[0][0], ""), kv[0][1])):
-        if wanted is not None and (node_id, gpu_index) not in wanted:
-            continue
         name = names.get(node_id, f"node-{node_id}")
         out[f"{name}/{gpu_index}"] = {
             "node": node_id, "node_name": name, "gpu": gpu_index, **_trace_dict(trace, plan, metrics)
         }
-    return _result(plan, start, end, out)
+    return out
 
 
 def cluster_utilisation(
@@ -404,8 +537,8 @@ def cluster_utilisation(
     gpu_count = Node.objects.aggregate(n=Sum("gpu_count"))["n"] or 1
     plan = choose_plan(start, end, max_points, now=now, traces=gpu_count)
     names = ("util_pct", "util_max_pct")
-    traces = _series(GPU_SOURCES, "gpu-", plan, start, end, [], [], GPU_METRICS, names, unique_per_bucket=False,
-                     traces_hint=gpu_count)
+    traces = _series(GPU_SOURCES, "gpu-", plan, [Window(start, end)], [], [], GPU_METRICS, names,
+                     unique_per_bucket=False, traces_hint=gpu_count)
     out = {"cluster": _trace_dict(trace, plan, names) for trace in traces.values()}  # noqa: B035 - 0 or 1
     return _result(plan, start, end, out)
 
@@ -424,7 +557,8 @@ def step_series(
 
     ranks = Job.objects.filter(pk=job_id).values_list("tp", "pp", "dp").first()
     plan = choose_plan(start, end, max_points, now=now, traces=math.prod(ranks) if ranks else 1)
-    traces = _series(STEP_SOURCES, "step-", plan, start, end, [], [("job_id", [job_id])], STEP_METRICS, metrics)
+    traces = _series(STEP_SOURCES, "step-", plan, [Window(start, end)], [], [("job_id", [job_id])], STEP_METRICS,
+                     metrics)
     out = {"job": _trace_dict(trace, plan, metrics) for trace in traces.values()}  # noqa: B035 - 0 or 1
     return _result(plan, start, end, out)
 

@@ -4,7 +4,7 @@ The kinds of commands and audit events are the vocabulary of ``jobs.vocab``, re-
 """
 
 from jobs.models.audit import ElasticEvent
-from jobs.models.cluster import Allocation, Node, NodeState
+from jobs.models.cluster import Allocation, AllocationSpan, Node, NodeState
 from jobs.models.commands import Command, CommandState
 from jobs.models.jobs import Job, JobState, Priority
 from jobs.models.planner import PlannerControl, PlannerRun
@@ -14,6 +14,7 @@ from jobs.vocab import CommandKind, EventKind
 
 __all__ = [
     "Allocation",
+    "AllocationSpan",
     "BatchInvariantError",
     "Command",
     "CommandKind",

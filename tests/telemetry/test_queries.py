@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -78,6 +79,9 @@ def test_raw_series_are_bucketed_means_within_the_point_budget(node):
 
 @pytest.mark.django_db
 def test_rollup_levels_merge_with_the_fresh_raw_tail(node):
+    # The late sample (one second ago) must fall in the current, not yet rolled-up minute.
+    if datetime.now(UTC).second < 2:
+        time.sleep(2.1)
     start = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=5)
     samples = [{"gpu": 0, "at": start.timestamp() + s, "util_pct": 40.0 + (s % 2) * 20, "mem_used_bytes": 1}
                for s in range(290)]
@@ -103,7 +107,8 @@ def test_rollup_levels_merge_with_the_fresh_raw_tail(node):
 @pytest.mark.django_db
 def test_job_series_cover_the_gpus_it_holds_and_its_steps(node, make_job):
     job = make_job(dp=2, dp_min=1, dp_max=2)
-    actions.place_job(job, [(node, 0), (node, 1)], actor="test", reason={"rule": "test", "text": "test"})
+    actions.place_job(job, [(node, 0), (node, 1)], actor="test", reason={"rule": "test", "text": "test"},
+                      since=datetime.now(UTC) - timedelta(minutes=1))
     now = datetime.now(UTC).timestamp()
     ingest_gpu_batch(node, {"source": "q", "seq": 0, "samples": [
         {"gpu": g, "at": now - 5, "util_pct": 90.0, "mem_used_bytes": 1} for g in range(4)]})

@@ -1,0 +1,137 @@
+"""A job's GPU charts show the GPUs it held over the time it held them, never another job's
+readings of the same GPU, on raw data and on rollups alike; its live frames carry only the GPUs
+it holds now."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+from jobs import actions, live
+from jobs.live import job_group
+from jobs.live_data import job_series
+from jobs.models import Allocation
+from telemetry import queries, rollups
+from telemetry.ingest import forget_allocations, ingest_gpu_batch
+from tests.telemetry.conftest import gpu_batch
+
+pytestmark = pytest.mark.django_db
+
+
+def _readings(node, gpu: int, start: datetime, seconds: int, util_pct: float, seq: int) -> None:
+    """One reading a second of one GPU, from ``start`` for ``seconds``."""
+    samples = [{"gpu": gpu, "at": start.timestamp() + s, "util_pct": util_pct, "mem_used_bytes": 1}
+               for s in range(seconds)]
+    ingest_gpu_batch(node, {"source": f"gpu{gpu}", "seq": seq, "samples": samples})
+
+
+def _handover(node, make_job, researcher):
+    """GPU 0 of ``node``: job A for ten minutes (at 10 %), then job B for ten minutes (at 90 %),
+    the hand-over in the middle of a minute, all in the past."""
+    handover = datetime.now(UTC).replace(second=30, microsecond=0) - timedelta(minutes=20)
+    first, second = make_job(dp=1, dp_min=1, dp_max=1), make_job(dp=1, dp_min=1, dp_max=1)
+    actions.place_job(first, [(node, 0)], actor="test", reason={}, since=handover - timedelta(minutes=10))
+    Allocation.objects.filter(job=first).release(at=handover)
+    actions.place_job(second, [(node, 0)], actor="test", reason={}, since=handover)
+    _readings(node, 0, handover - timedelta(minutes=10), 600, 10.0, seq=0)
+    _readings(node, 0, handover, 600, 90.0, seq=1)
+    return first, second
+
+
+def _only(trace: dict, util_pct: float, samples: int) -> None:
+    assert sum(trace["samples"]) == samples
+    assert {round(u, 3) for u in trace["util_pct"]} == {util_pct}
+
+
+def test_a_gpu_handed_over_shows_each_job_only_its_own_readings(node, make_job, researcher):
+    first, second = _handover(node, make_job, researcher)
+    end = datetime.now(UTC)
+    for job, util in ((first, 10.0), (second, 90.0)):
+        result = queries.gpu_utilisation_series(start=end - timedelta(hours=1), end=end, max_points=600, job_id=job.pk)
+        assert result["level"] == "raw"
+        assert list(result["traces"]) == [f"{node.name}/0"]
+        _only(result["traces"][f"{node.name}/0"], util, 600)
+    # The job page's own series (jobs.live_data, what the chart draws) says the same.
+    page = job_series(second, end - timedelta(hours=1), end)
+    assert set(page["gpus"][f"{node.name}/0"]["util"]) == {90.0}
+
+
+def test_rollups_never_mix_the_previous_holders_readings_into_a_bucket(node, make_job, researcher):
+    first, second = _handover(node, make_job, researcher)
+    for _ in range(6):
+        rollups.roll_up()
+    end = datetime.now(UTC).replace(second=0, microsecond=0)
+    for job, util in ((first, 10.0), (second, 90.0)):
+        # 20 h in 1,200 points: one-minute rollups, read as they are; the hand-over minute is
+        # half A's and half B's, so it comes from raw samples instead.
+        result = queries.gpu_utilisation_series(start=end - timedelta(hours=20), end=end, max_points=1200,
+                                                job_id=job.pk)
+        assert (result["level"], result["bucket_s"]) == ("minute", 60)
+        _only(result["traces"][f"{node.name}/0"], util, 600)
+        # A week from hourly rollups: the job's ten minutes are no whole hour, so they come from
+        # the finer levels, still only the job's own readings.
+        week = queries.gpu_utilisation_series(start=end - timedelta(days=7), end=end, max_points=100, job_id=job.pk)
+        assert week["level"] == "hour"
+        _only(week["traces"][f"{node.name}/0"], util, 600)
+    # The node's own chart still shows both.
+    whole = queries.gpu_utilisation_series(start=end - timedelta(hours=20), end=end, max_points=1200,
+                                           gpus=[(node.pk, 0)])
+    assert sum(whole["traces"][f"{node.name}/0"]["samples"]) == 1200
+
+
+def test_a_job_that_moved_shows_the_first_node_then_the_second(make_nodes, make_job):
+    x, y = make_nodes(racks=1, switches=1, nodes=2, gpus=8)
+    job = make_job(dp=1, dp_min=1, dp_max=1)
+    moved = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=10)
+    actions.place_job(job, [(x, 0)], actor="test", reason={}, since=moved - timedelta(minutes=10))
+    Allocation.objects.filter(job=job).release(at=moved)
+    Allocation.objects.create(job=job, node=y, gpu_index=0, since=moved)  # as a migration's pass writes it
+    for seq, node in enumerate((x, y)):  # both GPUs report all along
+        _readings(node, 0, moved - timedelta(minutes=15), 1500, 50.0, seq=seq)
+    end = datetime.now(UTC)
+    result = queries.gpu_utilisation_series(start=end - timedelta(hours=1), end=end, max_points=4000,
+                                            job_id=job.pk)
+    assert result["bucket_s"] == 1
+    before, after = result["traces"][f"{x.name}/0"], result["traces"][f"{y.name}/0"]
+    assert (min(before["t"]), max(before["t"]) + 1) == (moved.timestamp() - 600, moved.timestamp())
+    assert (min(after["t"]), max(after["t"]) + 1) == (moved.timestamp(), moved.timestamp() + 600)
+
+
+def test_a_job_that_never_held_a_gpu_has_no_gpu_series(node, make_job):
+    job = make_job()
+    _readings(node, 0, datetime.now(UTC) - timedelta(minutes=5), 60, 50.0, seq=0)
+    end = datetime.now(UTC)
+    result = queries.gpu_utilisation_series(start=end - timedelta(hours=1), end=end, job_id=job.pk)
+    assert result["traces"] == {}
+
+
+def test_live_frames_reach_only_the_job_that_holds_the_gpu_now(node, make_job, researcher,
+                                                               django_capture_on_commit_callbacks):
+    first, second = make_job(dp=1, dp_min=1, dp_max=1), make_job(dp=1, dp_min=1, dp_max=1)
+    actions.place_job(first, [(node, 0)], actor="test", reason={})
+    actions.cancel_job(first, researcher)
+    actions.place_job(second, [(node, 0)], actor="test", reason={})
+    forget_allocations()
+    layer = get_channel_layer()
+    channels = {}
+    for job in (first, second):
+        channels[job.pk] = async_to_sync(layer.new_channel)()
+        async_to_sync(layer.group_add)(job_group(job.pk), channels[job.pk])
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest_gpu_batch(node, gpu_batch(seq=0, samples=8, start_s=datetime.now(UTC).timestamp()))
+    live.wait_sent()
+    (message,) = async_to_sync(layer.receive)(channels[second.pk])["messages"]  # a jobs.live batch
+    assert message["payload"]["job"] == second.pk
+    assert [p["gpu"] for p in message["payload"]["points"]] == [0]
+    assert async_to_sync(_received_within)(layer, channels[first.pk], 0.3) is None
+
+
+async def _received_within(layer, channel: str, timeout_s: float):
+    try:
+        return await asyncio.wait_for(layer.receive(channel), timeout_s)
+    except TimeoutError:
+        return None
