@@ -1,17 +1,29 @@
-"""Django admin for operators: list filters and search everywhere; the audit log is read-only.
+"""Django admin for operators: list filters and search everywhere; nothing is saved around the
+actions, so the admin never bypasses the audit log (docs/audit-log.md lists what it may change).
 
-Writes that other surfaces make through jobs.actions go through the same actions here (the
-admin actions below), so the admin never bypasses the audit log.
+Rows written by the planner, an agent or a state machine are read-only. What an operator may
+change (a node's place and GPUs; a job's owner, priority and run guarantee, and a pending job's
+spec) is saved by the audited actions ``edit_node`` and ``edit_job``; nodes are registered and
+removed by ``register_node`` and ``remove_node``; the bulk actions call the same functions as
+the console and the API.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import HttpResponseRedirect
+from django.urls import reverse
 
 from jobs import actions
 from jobs.models import (
     Allocation,
+    AllocationSpan,
     Command,
     ElasticEvent,
     IllegalTransition,
@@ -36,7 +48,7 @@ def _run_action(modeladmin, request, queryset, action, label: str) -> None:
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
-    """Browse and search only: these rows change through jobs.actions, which audits every write."""
+    """Browse and search only: these rows change through actions and tasks, which own every write."""
 
     def has_add_permission(self, request) -> bool:
         return False
@@ -49,6 +61,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 
 class AllocationInline(admin.TabularInline):
+    """The GPUs a node or job holds, view-only: only the planner's pass allocates and frees."""
+
     model = Allocation
     extra = 0
     can_delete = False
@@ -58,15 +72,135 @@ class AllocationInline(admin.TabularInline):
     def has_add_permission(self, request, obj=None) -> bool:
         return False
 
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
+def _add_errors(form: forms.Form, exc: ValidationError) -> None:
+    """An action's refusal on the form: on the field when the form shows it, else above the form."""
+    if not hasattr(exc, "error_dict"):
+        form.add_error(None, exc)
+        return
+    for field, errors in exc.error_dict.items():
+        form.add_error(field if field in form.fields else None, errors)
+
+
+class ActionForm(forms.ModelForm):
+    """A change form checked by its action's own validator (``validate``: the row and the changes
+    in, the row as it would become out, or ValidationError) instead of the model's full_clean.
+    The action derives fields the form does not hold (a job's accumulation) and is the only thing
+    that saves, so the form never builds the instance; the action checks again under its locks."""
+
+    validate: ClassVar[Callable[[Any, dict[str, Any]], Any]]
+
+    def changes(self) -> dict[str, Any]:
+        """What the operator changed; for a new row, everything the form holds."""
+        if self.instance.pk is None:
+            return dict(self.cleaned_data)
+        return {name: self.cleaned_data[name] for name in self.changed_data if name in self.cleaned_data}
+
+    def _post_clean(self) -> None:
+        try:
+            self.validate(self.instance, self.changes())
+        except ValidationError as exc:
+            _add_errors(self, exc)
+
+
+class ActionAdmin(admin.ModelAdmin):
+    """Saves through the model's actions (``save_through``), never ``obj.save()``. Only the fields
+    ``editable_fields(obj)`` names are in the form; a row with none is view-only."""
+
+    form: type[ActionForm]
+
+    def editable_fields(self, obj) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def save_through(self, user, obj, changes: dict[str, Any], change: bool):
+        """Call the action that saves ``changes`` and return the row it saved."""
+        raise NotImplementedError
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        if obj is not None and not self.editable_fields(obj):
+            return False
+        return super().has_change_permission(request, obj)
+
+    def get_fields(self, request, obj=None) -> list[str]:
+        return [f.name for f in self.model._meta.concrete_fields if not f.primary_key]  # in the model's order
+
+    def get_readonly_fields(self, request, obj=None) -> list[str]:
+        editable = self.editable_fields(obj)
+        return [name for name in self.get_fields(request, obj) if name not in editable]
+
+    def save_model(self, request, obj, form: ActionForm, change: bool) -> None:
+        saved = self.save_through(request.user, obj, form.changes(), change)
+        # The admin's messages, change log and redirect read ``obj``: show them the saved row.
+        for field in saved._meta.concrete_fields:
+            setattr(obj, field.attname, getattr(saved, field.attname))
+        obj._state.adding = False
+
+    def save_related(self, request, form, formsets, change) -> None:
+        """Write nothing more: everything the operator changed went through the action in
+        ``save_model``, these models have no many-to-many fields, and the inlines are view-only.
+        (A formset saved without commit only lists what changed, for the admin's change message.)"""
+        for formset in formsets:
+            formset.save(commit=False)
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        try:
+            return super().changeform_view(request, object_id, form_url, extra_context)
+        except ValidationError as exc:
+            # The action checks again under its locks; what changed since the form was checked
+            # (a job that started meanwhile) is refused there, rolled back, and said here.
+            self.message_user(request, " ".join(exc.messages), level=messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
+
+
+class NodeForm(ActionForm):
+    validate = staticmethod(actions.node_with_changes)
+
 
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(ActionAdmin):
+    """Register, edit (rack, switch, GPU model and count) and remove nodes, each audited; state,
+    heartbeat, speed factor and token are measured or issued elsewhere and only shown."""
+
+    form = NodeForm
     list_display = ("name", "rack", "switch", "gpu_count", "gpu_model", "state", "speed_factor", "last_heartbeat_at")
     list_filter = ("state", "rack", "switch", "gpu_model")
     search_fields = ("name", "rack", "switch")
-    readonly_fields = ("state", "state_changed_at", "last_heartbeat_at", "agent_token_hash", "created_at")
     inlines = [AllocationInline]
     actions = ["cordon", "uncordon", "drain", "repair"]
+
+    def editable_fields(self, obj) -> tuple[str, ...]:
+        return actions.NODE_EDITABLE if obj is not None else ("name", *actions.NODE_EDITABLE)
+
+    def save_through(self, user, obj, changes: dict[str, Any], change: bool) -> Node:
+        return actions.edit_node(obj, user, **changes) if change else actions.register_node(user, **changes)
+
+    def get_actions(self, request):
+        # Nodes are deleted one at a time, so a refusal says which node and why.
+        found = super().get_actions(request)
+        found.pop("delete_selected", None)
+        return found
+
+    def delete_view(self, request, object_id, extra_context=None):
+        node = self.get_object(request, unquote(object_id))
+        refusal = actions.node_removal_refusal(node) if node is not None else ""
+        if refusal:
+            self.message_user(request, refusal, level=messages.ERROR)
+            return HttpResponseRedirect(reverse("admin:jobs_node_change", args=[node.pk]))
+        try:
+            return super().delete_view(request, object_id, extra_context)
+        except ValidationError as exc:  # history written since the check above
+            self.message_user(request, " ".join(exc.messages), level=messages.ERROR)
+            return HttpResponseRedirect(reverse("admin:jobs_node_change", args=[node.pk]))
+
+    def delete_model(self, request, obj: Node) -> None:
+        actions.remove_node(obj, request.user)
+
+    def delete_queryset(self, request, queryset) -> None:
+        for node in queryset:
+            actions.remove_node(node, request.user)
 
     @admin.action(description="Cordon: place nothing new")
     def cordon(self, request, queryset):
@@ -85,8 +219,17 @@ class NodeAdmin(admin.ModelAdmin):
         _run_action(self, request, queryset, actions.mark_node_repaired, "Marked repaired")
 
 
+class JobForm(ActionForm):
+    validate = staticmethod(actions.job_with_changes)
+
+
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
+class JobAdmin(ActionAdmin):
+    """Edit a job's owner, priority and run guarantee until it ends, and its spec while it is
+    pending, each audited. Jobs are submitted through the API or dashboard and never deleted:
+    cancel them."""
+
+    form = JobForm
     list_display = (
         "name", "owner", "priority", "state", "tp", "pp", "dp", "accum_steps", "global_batch",
         "committed_steps", "total_steps", "submitted_at",
@@ -94,16 +237,20 @@ class JobAdmin(admin.ModelAdmin):
     list_filter = ("state", "priority", "owner")
     search_fields = ("name", "owner__username")
     list_select_related = ("owner",)
-    readonly_fields = (
-        "state", "dp", "accum_steps", "committed_steps", "last_checkpoint_step", "last_checkpoint_at",
-        "measured_save_s", "measured_load_s", "preemptions", "pending_reason", "submitted_at", "started_at",
-        "first_started_at", "last_resized_at", "finished_at", "state_changed_at",
-    )
     inlines = [AllocationInline]
     actions = ["cancel"]
 
+    def editable_fields(self, obj) -> tuple[str, ...]:
+        return actions.job_editable_fields(obj) if obj is not None else ()
+
+    def save_through(self, user, obj, changes: dict[str, Any], change: bool) -> Job:
+        return actions.edit_job(obj, user, **changes)
+
     def has_add_permission(self, request) -> bool:
-        return False  # submit through the API or dashboard so the audit log records it
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
 
     @admin.action(description="Cancel the selected jobs")
     def cancel(self, request, queryset):
@@ -127,19 +274,24 @@ class AllocationAdmin(ReadOnlyAdmin):
     list_select_related = ("node", "job", "borrowed_from")
 
 
+@admin.register(AllocationSpan)
+class AllocationSpanAdmin(ReadOnlyAdmin):
+    # The allocation history: written with each Allocation row, never edited.
+    list_display = ("node", "gpu_index", "job", "borrowed_from", "started_at", "ended_at")
+    list_filter = ("node__rack",)
+    search_fields = ("node__name", "job__name")
+    list_select_related = ("node", "job", "borrowed_from")
+    date_hierarchy = "started_at"
+
+
 @admin.register(Command)
-class CommandAdmin(admin.ModelAdmin):
+class CommandAdmin(ReadOnlyAdmin):
+    # The outbox's delivery state machine moves as agents answer; a re-save would race it.
     list_display = ("id", "kind", "job", "node", "state", "attempts", "created_at", "acked_at", "finished_at")
     list_filter = ("state", "kind")
     search_fields = ("id", "job__name", "node__name")
     list_select_related = ("job", "node")
     readonly_fields = [f.name for f in Command._meta.fields]
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(ElasticEvent)
@@ -152,21 +304,14 @@ class ElasticEventAdmin(ReadOnlyAdmin):
 
 
 @admin.register(PlannerRun)
-class PlannerRunAdmin(admin.ModelAdmin):
+class PlannerRunAdmin(ReadOnlyAdmin):
+    # Audit rows name their pass by id; deleting a run would orphan them.
     list_display = ("id", "started_at", "duration_ms", "actions", "applied", "dry_run", "trigger", "error")
     list_filter = ("applied", "dry_run")
     readonly_fields = [f.name for f in PlannerRun._meta.fields]
 
-    def has_add_permission(self, request) -> bool:
-        return False
-
 
 @admin.register(PlannerControl)
-class PlannerControlAdmin(admin.ModelAdmin):
+class PlannerControlAdmin(ReadOnlyAdmin):
+    # Changed through jobs.actions.set_planner_control (audited): the console and API.
     list_display = ("__str__", "paused", "dry_run", "safety_factor", "min_run_s", "reclaim_grace_s", "updated_by")
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False  # changed through jobs.actions.set_planner_control (audited)

@@ -1,22 +1,15 @@
 """Admin for telemetry: sender streams (de-duplication state and totals) and rollup watermarks,
-read-only. Samples and rollups are time series with composite keys: read them through
-telemetry.queries, the pages and /metrics, not row by row here."""
+read-only and never deleted: they are written only by ingestion and the rollup task, and a
+deleted stream would forget its anti-replay window and accept re-sent batches again. Samples and
+rollups are time series with composite keys: read them through telemetry.queries, the pages and
+/metrics, not row by row here."""
 
 from __future__ import annotations
 
 from django.contrib import admin
 
+from jobs.admin import ReadOnlyAdmin
 from telemetry.models import RollupWatermark, TelemetrySource
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Written only by ingestion and the rollup task."""
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(TelemetrySource)
