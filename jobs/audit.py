@@ -141,6 +141,15 @@ def record_event(
     return event
 
 
+def link_problem(event: ElasticEvent, prev_hash: str) -> str:
+    """Why ``event`` breaks the chain after a row whose hash is ``prev_hash``; "" if it holds."""
+    if event.prev_hash != prev_hash:
+        return "its prev_hash does not match the row before it"
+    if compute_hash(event) != event.hash:
+        return "its contents do not match its stored hash"
+    return ""
+
+
 @dataclass(frozen=True)
 class ChainReport:
     """The result of walking the chain: how far it holds, and the first row where it breaks."""
@@ -173,10 +182,9 @@ def verify_chain(chunk_size: int = 2000) -> ChainReport:
     checked = 0
     last_good: int | None = None
     for event in _rows(chunk_size):
-        if event.prev_hash != expected_prev:
-            return ChainReport(checked, last_good, event.id, "its prev_hash does not match the row before it")
-        if compute_hash(event) != event.hash:
-            return ChainReport(checked, last_good, event.id, "its contents do not match its stored hash")
+        problem = link_problem(event, expected_prev)
+        if problem:
+            return ChainReport(checked, last_good, event.id, problem)
         checked += 1
         last_good = event.id
         expected_prev = event.hash

@@ -4,8 +4,9 @@ The agent authenticates with its node's bearer token (``jobs.agent_auth``, the s
 HTTP fallback and telemetry ingestion); a missing or wrong token gets the socket closed with
 4401 / 4403 and a log line (never the token). After ``hello`` the server replays
 every unacknowledged command for the node, then streams new ones as ``send_node_commands``
-sends them to the ``agent-{node id}`` group. Malformed frames and unknown command ids are
-answered with an ``error`` frame and change nothing.
+sends them to the ``agent-{node id}`` group (through jobs.live: one ``command`` message each,
+a node's commands in one batch). Malformed frames and unknown command ids are answered with an
+``error`` frame and change nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from django.db import close_old_connections
 
 from jobs import actions
 from jobs.actions import agent_group
+from jobs.actions.commands import COMMAND_EVENT
 from jobs.agent_api import error_frame, handle_frame
 from jobs.agent_auth import AgentAuthFailure, agent_from_headers, asgi_headers
 from jobs.models import Node
@@ -176,7 +178,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.send_frame(error_frame("replaced", "a newer agent connection for this node took over"))
             await self.close(code=protocol.CLOSE_REPLACED)
 
-    async def agent_commands(self, event: dict[str, Any]) -> None:
-        """Commands dispatched to this node's group (``jobs.actions.commands.send_node_commands``)."""
-        for frame in event["frames"]:
-            await self.send_frame(frame)
+    async def live_batch(self, batch: dict[str, Any]) -> None:
+        """Commands sent to this node's group through jobs.live (``jobs.actions.commands.send_node_commands``)."""
+        for message in batch["messages"]:
+            if message["event"] == COMMAND_EVENT:
+                await self.send_frame(message["payload"])

@@ -4,11 +4,11 @@
 ``{"action": "subscribe", "stream": "job", "id": 7}`` (streams: ``cluster``, ``audit``,
 ``job``, ``node``) and each subscribe is checked against the user's roles, like AWX's
 consumers: a job's stream only by those who may see it in full (``roles.job_visibility``), the
-audit log only by operators and auditors. Messages from :mod:`jobs.live` arrive through
-``live_message`` and go out as ``{"type": "live", "event": ..., "payload": ...}``; a group's
-message is the same for every socket, so each is first cut to what this viewer may see
-(:func:`payload_for_viewer`): someone else's job on the cluster stream as its summary, or not
-at all. Telemetry frames are throttled: at most one frame per ``FRAME_INTERVAL_S`` per socket,
+audit log only by operators and auditors. Messages from :mod:`jobs.live` arrive as one batch
+per group through ``live_batch`` and go out one by one as ``{"type": "live", "event": ...,
+"payload": ...}``; a group's message is the same for every socket, so each is first cut to what
+this viewer may see (:func:`payload_for_viewer`): someone else's job on the cluster stream as
+its summary, or not at all. Telemetry frames are throttled: at most one frame per ``FRAME_INTERVAL_S`` per socket,
 later samples batched into the next frame (``{"type": "live", "event": ..., "batch":
 [payload, ...]}``), so a busy job cannot flood a browser (AWX ``MAX_WEBSOCKET_EVENT_RATE``).
 See docs/live-ui.md.
@@ -71,11 +71,14 @@ def _subscription_check(user, stream: str, object_id: Any) -> tuple[str | None, 
 
 
 def _job_ids(event: str, payload: dict[str, Any]) -> set[int]:
-    """The jobs a group message names: a summary's id, the holders of a node's GPUs, a sample's job."""
+    """The jobs a group message names: a summary's id, the holders of a node's GPUs, the waiting
+    jobs of the cluster summary, a sample's job."""
     if event == "job":
         return {payload["id"]} if isinstance(payload.get("id"), int) else set()
     if event == "node":
         return {g["job_id"] for g in payload.get("gpus", ()) if isinstance(g.get("job_id"), int)}
+    if event == "cluster_summary":
+        return {item["id"] for item in payload.get("queue", ()) if isinstance(item.get("id"), int)}
     if event in TELEMETRY_EVENTS:
         return {payload["job"]} if isinstance(payload.get("job"), int) else set()
     return set()
@@ -84,8 +87,9 @@ def _job_ids(event: str, payload: dict[str, Any]) -> set[int]:
 def payload_for_viewer(event: str, payload: Any, visibility: Callable[[int], roles.Visibility]) -> Any:
     """``payload`` as a viewer may see it, given ``visibility(job_id)``; None: not at all.
 
-    Only group messages any role may receive need cutting: ``job`` and ``node`` on the cluster
-    stream, ``node`` and GPU samples on a node's. A job's own stream (``job_event``, step records)
+    Only group messages any role may receive need cutting: ``job``, ``node`` and
+    ``cluster_summary`` on the cluster stream (the Cluster page renders the summary through this
+    too), ``node`` and GPU samples on a node's. A job's own stream (``job_event``, step records)
     and the audit stream are joined only by those who see everything in them.
     """
     if not isinstance(payload, dict):
@@ -95,6 +99,15 @@ def payload_for_viewer(event: str, payload: Any, visibility: Callable[[int], rol
         if seen is roles.Visibility.FULL:
             return payload
         return roles.summarise(payload) if seen is roles.Visibility.SUMMARY else None
+    if event == "cluster_summary":
+        queue = []
+        for item in payload.get("queue", ()):
+            seen = visibility(item["id"])
+            if seen is roles.Visibility.SUMMARY:  # in the queue, unlinked, without why it waits
+                item = {**{key: value for key, value in item.items() if key != "why"}, "visibility": "summary"}
+            if seen > roles.Visibility.NONE:
+                queue.append(item)
+        return {**payload, "queue": queue}
     if event == "node":
         gpus = []
         for gpu in payload.get("gpus", ()):
@@ -109,7 +122,16 @@ def payload_for_viewer(event: str, payload: Any, visibility: Callable[[int], rol
 
 
 def _job_owners(job_ids: set[int]) -> dict[int, int]:
-    return dict(Job.objects.filter(pk__in=job_ids).values_list("id", "owner_id"))
+    return dict(Job.objects.filter(pk__in=job_ids).values_list("id", "owner_id")) if job_ids else {}
+
+
+def payload_for_user(user, event: str, payload: Any) -> Any:
+    """:func:`payload_for_viewer` for ``user`` from synchronous code (a page rendering what the
+    socket sends): owners looked up in one query, none for viewers who see every job in full."""
+    if roles.owner_visibility(user, None) is roles.Visibility.FULL or not isinstance(payload, dict):
+        return payload
+    owners = _job_owners(_job_ids(event, payload))
+    return payload_for_viewer(event, payload, lambda job_id: roles.owner_visibility(user, owners.get(job_id)))
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
@@ -183,23 +205,36 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     # -- messages from jobs.live ---------------------------------------------------------------
 
-    async def _for_viewer(self, event: str, payload: Any) -> Any:
-        """The payload cut for this socket's user (None: drop it), owners looked up once per job."""
-        if self.others_visibility is roles.Visibility.FULL or not isinstance(payload, dict):
-            return payload
-        unknown = _job_ids(event, payload) - self.job_owners.keys()
+    async def live_batch(self, message: dict[str, Any]) -> None:
+        """A group's batch from jobs.live: each message cut for this viewer, then sent (decisions)
+        or buffered into the next telemetry frame."""
+        items = [item for item in message.get("messages", ()) if isinstance(item, dict)]
+        if self.others_visibility is not roles.Visibility.FULL:
+            await self._learn_owners(items)
+        user = self.scope["user"]
+        for item in items:
+            event = item.get("event", "")
+            payload = item.get("payload")
+            if self.others_visibility is not roles.Visibility.FULL:
+                payload = payload_for_viewer(
+                    event, payload, lambda job_id: roles.owner_visibility(user, self.job_owners.get(job_id))
+                )
+            if payload is not None:
+                await self._send_live(event, payload)
+
+    async def _learn_owners(self, items: list[dict[str, Any]]) -> None:
+        """The owners of the jobs a batch names that this socket does not know yet, in one query."""
+        unknown: set[int] = set()
+        for item in items:
+            if isinstance(item.get("payload"), dict):
+                unknown |= _job_ids(item.get("event", ""), item["payload"])
+        unknown -= self.job_owners.keys()
         if unknown:
             if len(self.job_owners) > MAX_KNOWN_OWNERS:
                 self.job_owners.clear()
             self.job_owners.update(await database_sync_to_async(_job_owners)(unknown))
-        user = self.scope["user"]
-        return payload_for_viewer(event, payload, lambda job_id: roles.owner_visibility(user, self.job_owners.get(job_id)))
 
-    async def live_message(self, message: dict[str, Any]) -> None:
-        event = message.get("event", "")
-        payload = await self._for_viewer(event, message.get("payload"))
-        if payload is None:
-            return
+    async def _send_live(self, event: str, payload: Any) -> None:
         if event in TELEMETRY_EVENTS:
             self._buffer(event, payload)
             now = time.monotonic()

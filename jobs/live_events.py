@@ -1,13 +1,17 @@
-"""What the live pages are told when the audit log grows: complete payloads, sent after commit.
+"""What the live pages are told when Omni changes: complete payloads, built after commit.
 
 Every change in Omni goes through an action that appends an :class:`ElasticEvent` in the same
 transaction, so one ``post_save`` receiver on that model is enough to keep every page live,
-whoever made the change (a view, the API, the planner in a Celery worker, an agent). Once the
-transaction commits it sends:
+whoever made the change (a view, the API, the planner in a Celery worker, an agent); a planner
+pass that changes nothing still writes its ``PlannerRun``. Through :func:`jobs.live.send_built`
+the rows of one transaction are turned into messages together, after it commits:
 
-* ``audit``            -> event ``audit``: the row as the auditor's table shows it;
+* ``audit``            -> event ``audit``: the row as the auditor's table shows it, and one
+                          ``chain``: the new rows checked against their hashes and links;
 * ``job-{id}``         -> event ``job_event``: the row plus the job's current summary;
-* ``cluster``          -> event ``job`` (a job's summary) and/or ``node`` (a node with its GPUs);
+* ``cluster``          -> event ``job`` (a job's summary) and/or ``node`` (a node with its GPUs),
+                          and one ``cluster_summary`` (the Cluster page's header, queue, planner
+                          line and a utilisation point; also after every planner run);
 * ``node-{id}``        -> event ``node``.
 
 The payload shapes are documented in docs/live-ui.md; the sentences come from
@@ -17,23 +21,24 @@ reloaded one.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable
 from typing import Any
 
-from django.db import transaction
+from django.db.models import Q, Subquery
 from django.db.models.signals import post_save
 from django.utils import timezone
 
-from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, broadcast_now, job_group, node_group
-from jobs.models import Allocation, ElasticEvent, Job, Node
+from jobs import live
+from jobs.audit import GENESIS_HASH, link_problem
+from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, job_group, node_group
+from jobs.models import Allocation, ElasticEvent, Job, Node, PlannerRun
+from jobs.vocab import EventKind
 
-logger = logging.getLogger(__name__)
-
-NODE_EVENT_KINDS = frozenset(
-    {"drain", "cordon", "uncordon", "node_suspect", "node_failed", "node_repaired"}
-)
+NODE_EVENT_KINDS = frozenset({
+    EventKind.DRAIN, EventKind.CORDON, EventKind.UNCORDON, EventKind.NODE_SUSPECT, EventKind.NODE_FAILED,
+    EventKind.NODE_REPAIRED, EventKind.NODE_REGISTERED, EventKind.NODE_EDITED, EventKind.NODE_REMOVED,
+})
 _NODE_NAME = re.compile(r"^(?P<prefix>.*?)(?P<number>\d+)$")
 
 
@@ -160,16 +165,14 @@ def job_summary(job: Job, gpus: int, borrowed: int) -> dict[str, Any]:
         "remaining_steps": remaining,
         "pending_reason": job.pending_reason,
         "last_checkpoint_step": job.last_checkpoint_step,
+        "last_checkpoint_at": job.last_checkpoint_at.isoformat() if job.last_checkpoint_at else None,
         "preemptions": job.preemptions,
     }
 
 
-def node_summary(node: Node) -> dict[str, Any]:
-    """A node on the cluster map: health, and who holds each GPU (owned or borrowed)."""
-    held = {
-        a.gpu_index: a
-        for a in Allocation.objects.filter(node=node).select_related("job")
-    }
+def node_summary(node: Node, held: dict[int, Allocation]) -> dict[str, Any]:
+    """A node on the cluster map: health, and who holds each GPU (``held``: GPU index -> its
+    allocation, with the job loaded), owned or borrowed."""
     return {
         "id": node.pk,
         "name": node.name,
@@ -190,41 +193,101 @@ def node_summary(node: Node) -> dict[str, Any]:
     }
 
 
-def broadcast_event(event_id: int) -> None:
-    """Send the committed row and the state it changed to every group that shows it."""
-    event = ElasticEvent.objects.select_related("job__owner").filter(pk=event_id).first()
-    if event is None:
-        return
-    payload = event_payload(event)
-    broadcast_now(AUDIT_GROUP, "audit", payload)
-    if event.job_id is not None:
-        job = event.job
-        allocations = list(Allocation.objects.filter(job=job).values_list("borrowed_from_id", flat=True))
-        summary = job_summary(job, len(allocations), sum(1 for b in allocations if b is not None))
-        broadcast_now(job_group(job.pk), "job_event", {"event": payload, "job": summary})
-        broadcast_now(CLUSTER_GROUP, "job", summary)
-    names = set(event.nodes_before) | set(event.nodes_after)
-    if names and (event.kind in NODE_EVENT_KINDS or event.job_id is not None):
-        for node in Node.objects.filter(name__in=names):
-            summary = node_summary(node)
-            broadcast_now(CLUSTER_GROUP, "node", summary)
-            broadcast_now(node_group(node.pk), "node", summary)
+def audit_messages(event_ids: list[int]) -> list[live.Message]:
+    """The messages for the audit rows one transaction committed, built together in three
+    queries however many rows: the rows (with their jobs, owners and the row before them), the
+    affected nodes, and the allocations of the affected jobs and nodes.
+
+    Per row, in id order: ``audit`` to ``audit``; ``job_event`` to ``job-{id}``; the job's summary
+    (``job``) to ``cluster``; each node it moved or changed (``node``) to ``cluster`` and
+    ``node-{id}``; then one ``chain`` message to ``audit``: the new rows checked against their
+    hashes and the row before them. Summaries are the state after the transaction, so coalescing
+    keeps one per job and node.
+    """
+    first = min(event_ids)
+    before = ElasticEvent.objects.filter(id__lt=first).order_by("-id").values("id")[:1]
+    rows = list(
+        ElasticEvent.objects.select_related("job__owner")
+        .filter(Q(pk__in=event_ids) | Q(pk=Subquery(before))).order_by("id")
+    )
+    previous = rows.pop(0) if rows and rows[0].pk < first else None
+    if not rows:
+        return []
+    job_ids = {event.job_id for event in rows if event.job_id is not None}
+    names = set()
+    for event in rows:
+        if event.kind in NODE_EVENT_KINDS or event.job_id is not None:
+            names.update(event.nodes_before, event.nodes_after)
+    nodes = list(Node.objects.filter(name__in=names)) if names else []
+    node_ids = [node.pk for node in nodes]
+    held: dict[int, dict[int, Allocation]] = {}
+    gpus: dict[int, list[bool]] = {}  # job id -> borrowed? per GPU it holds
+    if job_ids or node_ids:
+        for allocation in Allocation.objects.filter(Q(job_id__in=job_ids) | Q(node_id__in=node_ids)).select_related("job"):
+            held.setdefault(allocation.node_id, {})[allocation.gpu_index] = allocation
+            gpus.setdefault(allocation.job_id, []).append(allocation.borrowed_from_id is not None)
+    summaries = {
+        event.job_id: job_summary(event.job, len(gpus.get(event.job_id, [])), sum(gpus.get(event.job_id, [])))
+        for event in rows if event.job_id is not None
+    }
+    node_payloads = {node.name: node_summary(node, held.get(node.pk, {})) for node in nodes}
+    messages: list[live.Message] = []
+    for event in rows:
+        payload = event_payload(event)
+        messages.append(live.message(AUDIT_GROUP, "audit", payload))
+        if event.job_id is not None:
+            summary = summaries[event.job_id]
+            messages.append(live.message(job_group(event.job_id), "job_event", {"event": payload, "job": summary}))
+            messages.append(live.message(CLUSTER_GROUP, "job", summary))
+        if event.kind in NODE_EVENT_KINDS or event.job_id is not None:
+            for name in sorted(set(event.nodes_before) | set(event.nodes_after)):
+                if name in node_payloads:
+                    node = node_payloads[name]
+                    messages.append(live.message(CLUSTER_GROUP, "node", node))
+                    messages.append(live.message(node_group(node["id"]), "node", node))
+    messages.append(live.message(AUDIT_GROUP, "chain", chain_check(previous, rows), key=AUDIT_GROUP))
+    return messages
+
+
+def chain_check(previous: ElasticEvent | None, rows: list[ElasticEvent]) -> dict[str, Any]:
+    """The audit page's chain banner, for rows just appended: do they match their hashes and
+    link to the row before them (``after_id``)? The first that does not is ``bad``."""
+    expected = previous.hash if previous is not None else GENESIS_HASH
+    bad = None
+    last_good = previous.pk if previous is not None else None
+    for event in rows:
+        problem = link_problem(event, expected)
+        if problem:
+            bad = {"id": event.pk, "problem": problem}
+            break
+        expected, last_good = event.hash, event.pk
+    return {"after_id": previous.pk if previous is not None else 0, "first_id": rows[0].pk,
+            "last_id": rows[-1].pk, "rows": len(rows), "last_good_id": last_good, "bad": bad}
+
+
+def cluster_messages(_: list[Any]) -> list[live.Message]:
+    """The Cluster page's summary (header counts, health and planner pills, planner line, queue,
+    a utilisation point), one per transaction that wrote an audit row or a planner run."""
+    from jobs.live_data import cluster_summary, used_point  # live_data reads this module's sentences
+
+    summary = cluster_summary()
+    summary["used"] = used_point(timezone.now(), summary["gpus_total"])
+    return [live.message(CLUSTER_GROUP, "cluster_summary", summary, key=CLUSTER_GROUP)]
 
 
 def _on_event_saved(sender, instance: ElasticEvent, created: bool, raw: bool = False, **kwargs) -> None:
-    if not created or raw:
-        return
-    event_id = instance.pk
+    if created and not raw:
+        live.send_built(audit_messages, instance.pk)
+        live.send_built(cluster_messages, None)
 
-    def send() -> None:
-        try:
-            broadcast_event(event_id)
-        except Exception:  # the write has committed; a lost live message is re-read on reload
-            logger.exception("live broadcast of audit row %s failed", event_id)
 
-    transaction.on_commit(send)
+def _on_planner_run_saved(sender, instance: PlannerRun, raw: bool = False, **kwargs) -> None:
+    if not raw:
+        live.send_built(cluster_messages, None)
 
 
 def connect() -> None:
-    """Hook the receiver (called once from JobsConfig.ready)."""
+    """Hook the receivers (called once from JobsConfig.ready). Every change in Omni appends an
+    audit row; a planner pass that changes nothing still writes its run (the planner line)."""
     post_save.connect(_on_event_saved, sender=ElasticEvent, dispatch_uid="omni-live-audit-broadcast")
+    post_save.connect(_on_planner_run_saved, sender=PlannerRun, dispatch_uid="omni-live-planner-run")

@@ -29,6 +29,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _missing("needs Redis: none answered on 127.0.0.1:6379 and REDIS_URL is unset")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_process_state():
+    """Process-local caches (known partitions, sequence windows, allocation routing) start empty in
+    every test: a cached partition or source state from a rolled-back test would lie to the next."""
+    from telemetry import ingest, metrics, partitions
+
+    metrics.reset()
+    partitions.forget_known_partitions()
+    ingest.throttle.__init__()
+    ingest.forget_allocations()
+    ingest.forget_sources()
+    yield
+
+
 def _user(django_user_model, username: str, role: str | None):
     user = django_user_model.objects.create_user(username=username, password=f"{username}-pass-1234")
     if role is not None:

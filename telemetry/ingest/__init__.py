@@ -18,7 +18,7 @@ One module per stage: ``validate``, ``sequence`` (the de-duplication window), ``
 names callers use.
 """
 
-from telemetry.ingest.live import forget_allocations, live_sender, throttle
+from telemetry.ingest.live import forget_allocations, throttle
 from telemetry.ingest.pipeline import ingest_gpu_batch, ingest_step_batch
 from telemetry.ingest.sequence import accept_sequence, forget_sources
 from telemetry.ingest.store import GPU_COLUMNS, STEP_COLUMNS, IngestResult
@@ -45,7 +45,6 @@ __all__ = [
     "forget_sources",
     "ingest_gpu_batch",
     "ingest_step_batch",
-    "live_sender",
     "throttle",
     "validate_gpu_samples",
     "validate_step_samples",

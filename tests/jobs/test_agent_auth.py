@@ -14,7 +14,7 @@ from django.test import Client
 
 from jobs.agent_auth import authenticate_agent
 from jobs.consumers import AgentConsumer
-from tests.telemetry.conftest import _fresh_process_state, gpu_batch  # noqa: F401 - the fixture resets ingest
+from tests.telemetry.conftest import gpu_batch
 from trainer_agent import protocol
 
 CREDENTIALS = {

@@ -16,13 +16,13 @@ def test_redis_channel_layer_delivers_group_messages():
         layer = RedisChannelLayer(hosts=[os.environ["OMNI_TEST_REDIS_URL"]], prefix=f"omni-test-{os.getpid()}")
         channel = await layer.new_channel()
         await layer.group_add("cluster", channel)
-        await layer.group_send("cluster", {"type": "live.message", "event": "node", "payload": {"n": 1}})
+        await layer.group_send("cluster", {"type": "live.batch", "messages": [{"event": "node", "payload": {"n": 1}}]})
         message = await asyncio.wait_for(layer.receive(channel), timeout=5)
         await layer.group_discard("cluster", channel)
         await layer.flush()
         return message
 
-    assert asyncio.run(roundtrip())["payload"] == {"n": 1}
+    assert asyncio.run(roundtrip())["messages"] == [{"event": "node", "payload": {"n": 1}}]
 
 
 @pytest.mark.redis

@@ -7,14 +7,14 @@ cookie path, the real ASGI application), with the in-memory channel layer of the
 from __future__ import annotations
 
 import pytest
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 from django.test import Client, override_settings
 
-from jobs import actions
+from jobs import actions, live
 from jobs.live import job_group, node_group
 from jobs.live_consumers import LiveConsumer
 
@@ -26,7 +26,22 @@ def run(scenario) -> None:
     async_to_sync(scenario)()
 
 
+async def group_send(group: str, event: str, payload) -> None:
+    """What jobs.live puts on the channel layer: one batch of one message."""
+    await get_channel_layer().group_send(group, {"type": "live.batch", "messages": [{"event": event, "payload": payload}]})
+
+
+async def receive_all(communicator: WebsocketCommunicator, quiet_s: float = 0.5) -> list[dict]:
+    """Every message until the socket has been quiet for ``quiet_s``."""
+    messages = []
+    while not await communicator.receive_nothing(timeout=quiet_s):
+        messages.append(await communicator.receive_json_from(timeout=2))
+    return messages
+
+
 async def connect(user) -> WebsocketCommunicator:
+    # What the test's setup sent (after its commits, from jobs.live's own thread) is out first.
+    assert await sync_to_async(live.wait_sent, thread_sensitive=False)()
     communicator = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
     communicator.scope["user"] = user
     connected, _ = await communicator.connect()
@@ -136,14 +151,16 @@ def test_drain_reaches_audit_and_cluster_subscribers_with_complete_payloads(oper
         await subscribe(watcher, "audit")
         await subscribe(watcher, "cluster")
         await database_sync_to_async(actions.drain_node)(node, operator)
-        messages = [await watcher.receive_json_from(timeout=2) for _ in range(2)]
-        by_event = {m["event"]: m["payload"] for m in messages}
+        by_event = {m["event"]: m["payload"] for m in await receive_all(watcher)}
         audit = by_event["audit"]
         assert audit["kind"] == "drain" and audit["actor"] == "olive"
         assert "olive drained r0s0n0" in audit["text"]
         assert audit["reason"]["inputs"] == {"node": "r0s0n0", "from": "healthy", "to": "draining"}
         assert len(audit["hash"]) == 64
         assert by_event["node"]["state"] == "draining" and len(by_event["node"]["gpus"]) == 8
+        chain = by_event["chain"]
+        assert (chain["first_id"], chain["last_id"], chain["rows"], chain["bad"]) == (audit["id"], audit["id"], 1, None)
+        assert by_event["cluster_summary"]["health"] == [{"state": "draining", "label": "Draining", "count": 1}]
         await watcher.disconnect()
 
     run(scenario)
@@ -173,11 +190,8 @@ def test_telemetry_frames_are_throttled_and_batched_without_losing_samples(resea
     async def scenario():
         communicator = await connect(researcher)
         await subscribe(communicator, "job", job.pk)
-        layer = get_channel_layer()
         for i in range(50):
-            await layer.group_send(job_group(job.pk), {
-                "type": "live.message", "event": "gpu_samples", "payload": {"job_id": job.pk, "i": i},
-            })
+            await group_send(job_group(job.pk), "gpu_samples", {"job_id": job.pk, "i": i})
         frames = []
         received = 0
         while received < 50:
@@ -200,11 +214,10 @@ def test_a_decision_flushes_buffered_telemetry_first_so_order_is_kept(researcher
     async def scenario():
         communicator = await connect(researcher)
         await subscribe(communicator, "job", job.pk)
-        layer = get_channel_layer()
         group = job_group(job.pk)
-        await layer.group_send(group, {"type": "live.message", "event": "step_records", "payload": {"step": 1}})
-        await layer.group_send(group, {"type": "live.message", "event": "step_records", "payload": {"step": 2}})
-        await layer.group_send(group, {"type": "live.message", "event": "job_event", "payload": {"x": 1}})
+        await group_send(group, "step_records", {"step": 1})
+        await group_send(group, "step_records", {"step": 2})
+        await group_send(group, "job_event", {"x": 1})
         first = await communicator.receive_json_from(timeout=1)
         second = await communicator.receive_json_from(timeout=1)
         third = await communicator.receive_json_from(timeout=1)
@@ -224,9 +237,7 @@ def test_unsubscribe_stops_messages(researcher, make_job):
         await subscribe(communicator, "job", job.pk)
         await communicator.send_json_to({"action": "unsubscribe", "stream": "job", "id": job.pk})
         assert (await communicator.receive_json_from(timeout=2))["type"] == "unsubscribed"
-        await get_channel_layer().group_send(
-            job_group(job.pk), {"type": "live.message", "event": "job_event", "payload": {}}
-        )
+        await group_send(job_group(job.pk), "job_event", {})
         assert await communicator.receive_nothing(timeout=0.3)
         await communicator.disconnect()
 
@@ -296,17 +307,18 @@ def test_the_cluster_stream_gives_others_jobs_as_the_setting_says(setting, resea
         communicator = await connect(researcher)
         await subscribe(communicator, "cluster")
         await database_sync_to_async(actions.cancel_job)(theirs, other_researcher)
+        jobs = [m["payload"] for m in await receive_all(communicator) if m["event"] == "job"]
         if setting == "own":
-            assert await communicator.receive_nothing(timeout=0.5)
+            assert jobs == []
         else:
-            payload = (await communicator.receive_json_from(timeout=2))["payload"]
+            (payload,) = jobs
             assert payload["name"] == "theirs" and payload["state"] == "cancelled" and payload["owner"] == "rob"
             if setting == "summary":
                 assert payload["visibility"] == "summary" and "dp" not in payload and "pending_reason" not in payload
             else:
                 assert "dp" in payload and "pending_reason" in payload
         await database_sync_to_async(actions.cancel_job)(mine, researcher)
-        own = (await communicator.receive_json_from(timeout=2))["payload"]
+        (own,) = [m["payload"] for m in await receive_all(communicator) if m["event"] == "job"]
         assert own["name"] == "mine" and "dp" in own
         await communicator.disconnect()
 
@@ -326,17 +338,53 @@ def test_node_payloads_do_not_name_jobs_the_viewer_may_not_see(researcher, other
         await subscribe(communicator, "cluster")
         await subscribe(communicator, "node", node.pk)
         await database_sync_to_async(actions.drain_node)(node, operator)
-        for _ in range(2):  # the node on the cluster stream and on its own
-            gpus = (await communicator.receive_json_from(timeout=2))["payload"]["gpus"]
+        nodes = [m["payload"] for m in await receive_all(communicator) if m["event"] == "node"]
+        assert len(nodes) == 2  # the node on the cluster stream and on its own
+        for node_payload in nodes:
+            gpus = node_payload["gpus"]
             assert gpus[0] == {"index": 0, "job": None, "job_id": None, "priority": "regular", "borrowed": False,
                                "held": True}
             assert gpus[2]["job"] is None and "held" not in gpus[2]
-        await get_channel_layer().group_send(node_group(node.pk), {
-            "type": "live.message", "event": "gpu_samples",
-            "payload": {"job": theirs.pk, "node": node.pk, "points": [{"gpu": 0, "util_pct": 90.0}]},
-        })
+        await group_send(node_group(node.pk), "gpu_samples",
+                         {"job": theirs.pk, "node": node.pk, "points": [{"gpu": 0, "util_pct": 90.0}]})
         frame = await communicator.receive_json_from(timeout=2)
         assert frame["batch"] == [{"node": node.pk, "points": [{"gpu": 0, "util_pct": 90.0}]}]
         await communicator.disconnect()
 
     run(scenario)
+
+
+@pytest.mark.parametrize(("setting", "seen"), [("summary", "summary"), ("all", "full"), ("own", None)])
+def test_the_cluster_summary_queue_says_why_only_for_jobs_seen_in_full(setting, seen, researcher, other_researcher,
+                                                                        make_job):
+    from django.db import transaction
+
+    from jobs.audit import record_event
+    from jobs.models import EventKind
+
+    make_job(name="mine")
+    theirs = make_job(owner=other_researcher, name="theirs")
+
+    def hold() -> None:
+        with transaction.atomic():
+            record_event(EventKind.HOLD, job=theirs, actor="planner",
+                         reason={"rule": "no_capacity", "text": "Waits for a private reason.", "inputs": {}})
+
+    async def scenario():
+        communicator = await connect(researcher)
+        await subscribe(communicator, "cluster")
+        await database_sync_to_async(hold)()
+        (summary,) = [m["payload"] for m in await receive_all(communicator) if m["event"] == "cluster_summary"]
+        queue = {item["name"]: item for item in summary["queue"]}
+        assert queue["mine"]["why"] == "The planner has not considered this job yet." and "visibility" not in queue["mine"]
+        if seen is None:
+            assert "theirs" not in queue
+        elif seen == "summary":
+            assert "why" not in queue["theirs"] and queue["theirs"]["visibility"] == "summary"
+        else:
+            assert queue["theirs"]["why"] == "Waits for a private reason."
+        assert summary["gpus_total"] == 0 and summary["planner"]["paused"] is False
+        await communicator.disconnect()
+
+    with override_settings(OMNI_JOB_VISIBILITY=setting):
+        run(scenario)

@@ -7,18 +7,6 @@ import time
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_state():
-    from telemetry import ingest, metrics, partitions
-
-    metrics.reset()
-    partitions.forget_known_partitions()
-    ingest.throttle.__init__()
-    ingest.forget_allocations()
-    ingest.forget_sources()
-    yield
-
-
 @pytest.fixture
 def node(make_nodes):
     """An 8-GPU node; ``node.token`` is its agent token (only the hash is stored)."""

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.test import override_settings
+from django.utils import timezone
 
-from jobs import actions
+from jobs import actions, live
 from jobs.live import job_group, node_group
-from telemetry.ingest import BatchRejected, accept_sequence, ingest_gpu_batch, ingest_step_batch, live_sender
+from telemetry.ingest import BatchRejected, accept_sequence, ingest_gpu_batch, ingest_step_batch
 from telemetry.models import GpuSample, StepRecord, TelemetrySource
 from tests.telemetry.conftest import gpu_batch
 
@@ -155,7 +158,8 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     node, make_job, django_capture_on_commit_callbacks
 ):
     job = make_job(dp=2, dp_min=1, dp_max=2)
-    actions.place_job(job, [(node, 0), (node, 1)], actor="test", reason={"rule": "test", "text": "test"})
+    actions.place_job(job, [(node, 0), (node, 1)], actor="test", reason={"rule": "test", "text": "test"},
+                      since=timezone.now() - timedelta(minutes=1))
     layer = get_channel_layer()
     node_channel = async_to_sync(layer.new_channel)()
     job_channel = async_to_sync(layer.new_channel)()
@@ -163,14 +167,14 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     async_to_sync(layer.group_add)(job_group(job.pk), job_channel)
     with django_capture_on_commit_callbacks(execute=True):
         ingest_gpu_batch(node, gpu_batch(seq=0, samples=8))
-    live_sender.flush()
-    message = async_to_sync(layer.receive)(node_channel)
+    assert live.wait_sent()
+    (message,) = async_to_sync(layer.receive)(node_channel)["messages"]
     assert message["event"] == "gpu_samples"
     assert message["payload"]["node"] == node.pk
     assert sorted(p["gpu"] for p in message["payload"]["points"]) == list(range(8))
     assert set(message["payload"]["points"][0]) == {"gpu", "at", "util_pct", "mem_used_bytes", "power_w",
                                                     "temp_c", "xid_errors"}
-    for_job = async_to_sync(layer.receive)(job_channel)
+    (for_job,) = async_to_sync(layer.receive)(job_channel)["messages"]
     assert for_job["payload"]["job"] == job.pk
     assert sorted(p["gpu"] for p in for_job["payload"]["points"]) == [0, 1]
     # A second batch within the throttle interval is held back, to ride along with the next.
@@ -179,6 +183,21 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     from telemetry.ingest import throttle
 
     assert sum(len(chunk) for chunk in throttle._pending[f"gpu:{node.pk}"]) == 8
+
+
+def test_points_from_before_a_job_took_its_gpu_never_reach_its_page(node, make_job,
+                                                                   django_capture_on_commit_callbacks):
+    job = make_job(dp=2, dp_min=1, dp_max=2)
+    actions.place_job(job, [(node, 0), (node, 1)], actor="test", reason={"rule": "test", "text": "test"})
+    layer = get_channel_layer()
+    job_channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(job_group(job.pk), job_channel)
+    # Samples of the last minute, before the placement: the previous holder's, not this job's.
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest_gpu_batch(node, gpu_batch(seq=0, samples=16, start_s=time.time() - 60))
+    assert live.wait_sent()
+    with pytest.raises(asyncio.TimeoutError):
+        async_to_sync(asyncio.wait_for)(layer.receive(job_channel), 0.3)
 
 
 def test_step_records_reach_the_job_page_with_tokens(node, make_job, django_capture_on_commit_callbacks):
@@ -190,8 +209,8 @@ def test_step_records_reach_the_job_page_with_tokens(node, make_job, django_capt
               "tokens": {"text": 10, "video": 20}, "loss": 1.25}
     with django_capture_on_commit_callbacks(execute=True):
         ingest_step_batch(node, {"source": "steps", "seq": 0, "samples": [record]})
-    live_sender.flush()
-    message = async_to_sync(layer.receive)(channel)
+    assert live.wait_sent()
+    (message,) = async_to_sync(layer.receive)(channel)["messages"]
     assert message["event"] == "step_records"
     (point,) = message["payload"]["points"]
     assert (point["step"], point["step_s"], point["loss"], point["tokens"]) == (5, 1.5, 1.25, {"text": 10, "video": 20})
