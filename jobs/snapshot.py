@@ -3,7 +3,9 @@
 ``load_snapshot`` turns nodes, live jobs with their allocations, reservations and in-flight
 commands into a ``jobs.planner.snapshot.Snapshot``; times become Unix epoch seconds, the
 planner's production clock. ``planner_config`` builds the knobs from ``PlannerControl`` plus
-``settings.OMNI_PLANNER_OVERRIDES``. See docs/control-loop.md.
+``settings.OMNI_PLANNER_OVERRIDES``, and tells the planner its clock is the wall clock of
+``settings.TIME_ZONE`` (its sentences then read ``14:05 UTC``, not epoch seconds).
+See docs/control-loop.md.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def planner_config(control: PlannerControl | None = None) -> PlannerConfig:
         min_run_s=float(control.min_run_s),
         reclaim_grace_s=float(control.reclaim_grace_s),
         heartbeat_timeout_s=settings.OMNI_HEARTBEAT_INTERVAL_S * settings.OMNI_HEARTBEAT_MISSES,
+        # The planner's times are Unix seconds here: its sentences give them as clock times.
+        wall_clock_zone=settings.TIME_ZONE or "UTC",
     )
     overrides = getattr(settings, "OMNI_PLANNER_OVERRIDES", None) or {}
     return config.with_overrides(overrides) if overrides else config

@@ -30,6 +30,8 @@ class JobState(models.TextChoices):
 
 
 TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+# The job holds no GPUs of its own and waits for the planner (recovering: after a fault).
+WAITING_JOB_STATES = frozenset({JobState.PENDING, JobState.PREEMPTED, JobState.RECOVERING})
 ACTIVE_JOB_STATES = frozenset(
     {JobState.RUNNING, JobState.CHECKPOINTING, JobState.RESIZING, JobState.RECOVERING}
 )
@@ -102,6 +104,13 @@ class Job(models.Model):
 
     preemptions = models.PositiveIntegerField(default=0)
     pending_reason = models.TextField(blank=True, default="", help_text="The planner's last word on why it waits.")
+    # A hold is audited only when its cause changes (jobs.actions.planner_pass._hold); the
+    # sentence above is kept current on every pass, these say what it is and since when.
+    pending_cause = models.CharField(
+        max_length=32, blank=True, default="",
+        help_text="The cause of the planner's current hold (capacity, cannot_fit, ...); empty when not held.",
+    )
+    pending_since = models.DateTimeField(null=True, blank=True, help_text="When the current hold cause began.")
 
     submitted_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True, help_text="Start of the current continuous run.")
@@ -148,6 +157,11 @@ class Job(models.Model):
         return self.state in TERMINAL_JOB_STATES
 
     @property
+    def is_waiting(self) -> bool:
+        """Pending, preempted or recovering: the states whose page says why the job waits."""
+        return self.state in WAITING_JOB_STATES
+
+    @property
     def progress(self) -> float:
         return self.committed_steps / self.total_steps if self.total_steps else 1.0
 
@@ -189,6 +203,10 @@ class Job(models.Model):
             self.started_at = now
             self.first_started_at = self.first_started_at or now
             changed += ["started_at", "first_started_at"]
+        if target == JobState.RUNNING and self.state in WAITING_JOB_STATES:
+            # It no longer waits: nothing may go on saying why it does.
+            self.pending_reason, self.pending_cause, self.pending_since = "", "", None
+            changed += ["pending_reason", "pending_cause", "pending_since"]
         if target in TERMINAL_JOB_STATES:
             self.finished_at = now
             changed.append("finished_at")

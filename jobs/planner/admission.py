@@ -7,6 +7,7 @@ reserved GPUs), else continues on the survivors of a fault, else waits for GPUs 
 their way back, else (critical and recovering work at its preferred size; others first at a
 smaller batch-exact size on what is free) takes GPUs from cheaper victims, else gets a
 ``hold`` with the reason. Cheap upper bounds hold the tail of a long queue without a search.
+A job that can never fit the cluster (it shrank under it) is held first, saying so.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from jobs.planner.rhythm import reclaim_lead_time
 from jobs.planner.snapshot import PRIORITY_RANK, WAITING_PHASES, Gpu, Job
 from jobs.planner.starvation import effective_rank, is_aged, queue_key, waited_s
 from jobs.planner.topology import spread_of
-from jobs.planner.wording import fmt_t, replica_count
+from jobs.planner.wording import (
+    duration_words,
+    gpu_shape,
+    join_words,
+    plural,
+    replica_count,
+    returning_sentence,
+)
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -63,16 +71,18 @@ def admit_waiting(state: PlanningPass) -> None:
         if job.phase in WAITING_PHASES or job.phase == "recovering" or has_lost:
             if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
                 state._hold(job, "idle_phase",
-                            f"In an idle phase (evaluation or data stall) until {fmt_t(job.idle_until_s)}; "
-                            f"its {len(job.parked)} GPUs are lent meanwhile and come back by then.",
+                            f"Its idle phase (evaluation or data loading) lasts until {state._when(job.idle_until_s)}; "
+                            f"its {len(job.parked)} GPUs are lent to other jobs meanwhile and come back by then.",
                             idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
+                continue
+            if not job.holdings and not job.parked and hold_if_cannot_fit(state, job):
                 continue
             dormant = state._dormant_between_windows(job)
             if dormant is not None and not job.holdings:
                 t = next_start_s(dormant, state.now)
                 state._hold(job, "between_windows",
-                            f"Waiting for its reservation window '{dormant.name}' to open at "
-                            f"{fmt_t(t)}; the job needs no GPUs between windows.",
+                            f"Runs only inside the windows of its reservation '{dormant.name}'; the next "
+                            f"one opens at {state._when(t)}.",
                             reservation=dormant.name, next_start_s=None if t == INFINITY else t)
                 continue
             waiting.append((queue_key(job, state.now, state.config, state._tier(job)), job))
@@ -160,9 +170,7 @@ def admit(state: PlanningPass, job: Job) -> None:
         state._claim_soon_free(zones, need - free_total)
         state._claim_free(job, zones, free_total)
         names = sorted({n for z in zones for n in state.soon_free_by.get(z, [])})
-        state._hold(job, "waiting_for_release",
-                    f"Waiting for {need - free_total} GPUs that {', '.join(names[:5]) or 'other jobs'} "
-                    f"are saving and releasing; then it starts on {replica_count(wait_dp)}.",
+        state._hold(job, "waiting_for_release", returning_sentence(need - free_total, names, job.tp, job.pp, wait_dp),
                     gpus_needed=need, gpus_free=free_total, gpus_returning=soon)
         return
     # (d) Critical work takes GPUs from cheaper victims at its preferred size (rule 4);
@@ -224,14 +232,56 @@ def groups_upper_bound(state: PlanningPass, job: Job) -> int:
     return bound
 
 
+def hold_if_cannot_fit(state: PlanningPass, job: Job) -> bool:
+    """Hold a job that can never run on this cluster as it is now (``layout.fit_problems``)."""
+    problems = state._fit_problems(job)
+    if not problems:
+        return False
+    field, problem = next(iter(problems.items()))
+    state._hold(job, "cannot_fit",
+                f"Cannot fit this cluster: {problem}. It waits until the cluster grows or its spec changes.",
+                field=field, gpus_min=job.dp_min * job.tp * job.pp)
+    return True
+
+
+def capacity_sentence(state: PlanningPass, job: Job, preferred: int, free: int, rank: int,
+                      notes: Sequence[str] = ()) -> str:
+    """Why a job cannot start now, for its owner: its size, what is free, who holds the rest,
+    what it may not borrow (``notes``), and why it takes nothing from others."""
+    min_need = job.dp_min * job.tp * job.pp
+    text = f"Needs {gpu_shape(job.tp, job.pp, preferred)}"
+    if job.dp_min < preferred:
+        text += f", or at least {min_need} to start"
+    if free < min_need:
+        text += f"; only {free} of the GPUs it may use are free" if free else "; none of the GPUs it may use is free"
+    elif job.tp > 1:
+        text += f"; {free} GPUs it may use are free, but too scattered: each group of {job.tp} must be on one node"
+    else:
+        text += f"; {free} GPUs it may use are free, but not where it can use them"
+    holders = [plural(state.holders[p], f"{label} job") for p, label in CLASS_WORDS if state.holders.get(p, 0) > 0]
+    if holders:
+        text += f", the others are held by {join_words(holders)}"
+    parts = [text, *notes]
+    if rank >= PRIORITY_RANK["best_effort"]:
+        parts.append("best-effort jobs never take GPUs from others")
+    else:
+        parts.append("no lower-priority job can give enough back now (a job keeps its GPUs for its minimum "
+                     "run time after it starts)")
+    waited = waited_s(job, state.now)
+    if waited > 0 and rank < PRIORITY_RANK[job.priority]:
+        parts.append(f"it has waited {duration_words(waited)}, so it now queues as a regular job")
+    return "; ".join(parts) + "."
+
+
+# How each class is named in a hold's sentence, best first.
+CLASS_WORDS = (("critical", "critical"), ("regular", "regular"), ("best_effort", "best-effort"))
+
+
 def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, free_anywhere: int, rank: int) -> None:
     """The cheap hold for the tail of a long queue: nothing anywhere could start it."""
     state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
     need = preferred * rep
-    why = ("best-effort jobs never preempt others" if rank >= PRIORITY_RANK["best_effort"]
-           else "no lower-priority job can give GPUs back now")
-    text = (f"Pending: needs {need} GPUs ({replica_count(preferred)} of {rep}; at least {job.dp_min * rep}) "
-            f"and at most {free_anywhere} GPUs it may use are free in whole {job.tp}-GPU TP groups; {why}.")
+    text = capacity_sentence(state, job, preferred, free_anywhere, rank)
     state.actions.append(Action(
         kind="hold", job=job.name,
         reason=Reason("hold", text, {"cause": "capacity", "gpus_needed": need, "gpus_min": job.dp_min * rep,
@@ -245,20 +295,8 @@ def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, f
     state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
     need = preferred * rep
     min_need = job.dp_min * rep
-    lend_notes = refused_loan_notes(state, job)
-    text = (
-        f"Pending: needs {need} GPUs ({replica_count(preferred)} of {rep}; at least {min_need}) and "
-        f"{free_total} usable GPUs are free"
-    )
-    if lend_notes:
-        text += "; " + "; ".join(lend_notes)
-    if rank >= PRIORITY_RANK["best_effort"]:
-        text += "; best-effort jobs never preempt others"
-    else:
-        text += "; no lower-priority job can give GPUs back now (min_run_s protects recent starts)"
-    if waited_s(job, state.now) > 0 and rank < PRIORITY_RANK[job.priority]:
-        text += f"; it has waited {waited_s(job, state.now):.0f}s and has aged up a class"
-    state._hold(job, "capacity", text + ".", gpus_needed=need, gpus_min=min_need,
+    text = capacity_sentence(state, job, preferred, free_total, rank, refused_loan_notes(state, job))
+    state._hold(job, "capacity", text, gpus_needed=need, gpus_min=min_need,
                 gpus_free=free_total, waited_s=round(waited_s(job, state.now), 1),
                 effective_rank=rank)
 
@@ -330,7 +368,7 @@ def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: i
         text = (f"Started on {replica_count(dp)} ({len(after)} GPUs, {spread.describe()}) using lent "
                 f"GPUs nobody is using now: {'; '.join(window_notes)}.")
         if loan_end < INFINITY:
-            text += f" The loan ends {fmt_t(loan_end)}; the job will be asked to save ahead of it."
+            text += f" The loan ends at {state._when(loan_end)}; the job will be asked to save ahead of it."
         inputs["loan_ends_s"] = None if loan_end == INFINITY else loan_end
         inputs["lead_time_s"] = round(reclaim_lead_time(job, state.config), 3)
     elif kind == "recover":

@@ -3,6 +3,10 @@
 ``reclaim_mode`` is what separates the project's policy from the ``kill_preempt`` baseline:
 ``graceful`` reclaims a loan ahead of need so the borrower has saved by then; ``kill`` lends
 the same way but takes GPUs back at the moment of need by killing the borrower.
+
+``wall_clock_zone`` says what the planner's clock is, for its sentences: ``None`` in the
+simulator (seconds from the scenario's start, written ``t=123s``), a time zone name in
+production (Unix seconds, written as that zone's clock time, e.g. ``14:05 UTC``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class PlannerConfig:
     ageing_s: float = 7200.0
     #: ``graceful`` (omni) or ``kill`` (the kill_preempt baseline).
     reclaim_mode: str = "graceful"
+    #: ``None``: scenario seconds (``t=123s``); a zone name: Unix seconds shown as clock times.
+    wall_clock_zone: str | None = None
 
     def with_overrides(self, overrides: dict[str, Any]) -> PlannerConfig:
         """A copy with scenario ``policy`` keys applied."""

@@ -36,7 +36,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.harvest import PoolState
-from jobs.planner.layout import accum_steps
+from jobs.planner.layout import accum_steps, fit_problems
 from jobs.planner.snapshot import (
     PLACEABLE_HEALTH,
     TERMINAL_PHASES,
@@ -48,6 +48,7 @@ from jobs.planner.snapshot import (
 )
 from jobs.planner.topology import ClusterView
 from jobs.planner.victims import VictimEntry
+from jobs.planner.wording import fmt_t
 
 __all__ = ["TIER_OTHER", "PlanningPass", "plan"]
 
@@ -99,6 +100,13 @@ class PlanningPass:
                 self.soon_free_by.setdefault(zone, []).append(job.name)
         # The best class held for capacity so far: nobody of that class or lower grows.
         self.capacity_blocked_rank = 99
+        # How many jobs of each class hold GPUs, kept up to date by ``_emit`` (hold reasons).
+        self.holders: dict[str, int] = {}
+        for job in self.jobs.values():
+            if job.holdings:
+                self.holders[job.priority] = self.holders.get(job.priority, 0) + 1
+        self._node_gpus: tuple[int, ...] | None = None
+        self._fit_cache: dict[tuple[int, int, int], dict[str, str]] = {}
         # Per-pass caches kept by the rule modules (victims, admission, harvest, _zones_for).
         self._victims_sorted: list[VictimEntry] | None = None
         self._victims_acted_seen = 0
@@ -150,6 +158,8 @@ class PlanningPass:
         self.actions.append(action)
         if kind != "hold":
             self.acted.add(job.name)
+            if bool(job.holdings) != bool(gpus_after) and (gpus_after or not graceful):
+                self.holders[job.priority] = self.holders.get(job.priority, 0) + (1 if gpus_after else -1)
             new = [g for g in gpus_after if self.view.owner.get(g) != job.name]
             self.view.take(job.name, new)
             after_set = set(gpus_after)
@@ -168,6 +178,20 @@ class PlanningPass:
         """Record that ``job`` keeps waiting, with the ``cause`` and a sentence saying why."""
         inputs = {"cause": cause, **inputs}
         self._emit("hold", job, job.gpus, Reason("hold", text, inputs))
+
+    def _when(self, t: float) -> str:
+        """A time for a reason's sentence, as the planner's clock reads (``wording.fmt_t``)."""
+        return fmt_t(t, self.now, self.config.wall_clock_zone)
+
+    def _fit_problems(self, job: Job) -> dict[str, str]:
+        """Why ``job`` can never run on this cluster, by spec field (``layout.fit_problems``)."""
+        key = (job.tp, job.pp, job.dp_min)
+        hit = self._fit_cache.get(key)
+        if hit is None:
+            if self._node_gpus is None:
+                self._node_gpus = tuple(n.gpus for n in self.snapshot.nodes)
+            hit = self._fit_cache[key] = fit_problems(job.tp, job.pp, job.dp_min, self._node_gpus)
+        return hit
 
     def _wake_at(self, t: float) -> None:
         """Ask for a pass at ``t`` at the latest (a foreseen decision falls due then)."""

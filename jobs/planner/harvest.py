@@ -25,7 +25,7 @@ from jobs.planner.entitlements import entitled_gpus, is_active, next_boundary_s,
 from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time
 from jobs.planner.snapshot import PLACEABLE_HEALTH, WAITING_PHASES, Gpu, Job, Reservation
 from jobs.planner.victims import VictimOption, choose_victims, victim_options_off_pool, victim_sort_key
-from jobs.planner.wording import fmt_t, pool_label, upper_first
+from jobs.planner.wording import duration_words, pool_label, upper_first
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -232,7 +232,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
             )
         else:
             text = (
-                f"{upper_first(pool_label(res.name))} needs its GPUs at {fmt_t(need_s)}; the loan ends now, "
+                f"{upper_first(pool_label(res.name))} needs its GPUs at {state._when(need_s)}; the loan ends now, "
                 f"{lead_s:.0f}s ahead (predicted save {inputs['predicted_save_s']:.0f}s x safety "
                 f"{state.config.safety_factor} + step + margin), so the job saves before then."
             )
@@ -284,7 +284,7 @@ def lend_idle_phases(state: PlanningPass) -> None:
                     Reason("harvest.idle",
                            f"The job is in a known idle phase for another {remaining_s:.0f}s; its "
                            f"{len(job.holdings)} GPUs are lent to waiting work ({', '.join(sorted(takers)[:3])}) "
-                           f"and reclaimed with a checkpoint before {fmt_t(job.idle_until_s)}, when it "
+                           f"and reclaimed with a checkpoint before {state._when(job.idle_until_s)}, when it "
                            f"reloads ({p.load_s:.0f}s) and continues.",
                            {"idle_until_s": job.idle_until_s, "idle_remaining_s": round(remaining_s, 1),
                             "gpus_lent": len(job.holdings), "predicted_load_s": p.load_s,
@@ -360,9 +360,13 @@ def refused_loan_notes(state: PlanningPass, job: Job) -> list[str]:
         if free_now <= 0 or (zones_min.get(name) or 0) >= free_now:
             continue
         n, window_s, needed_s = lendable_gpus(pool, job, job.dp_min, state.now, state.config)
+        refused = f"{free_now - min(n, free_now)} free GPUs of {pool_label(name)} cannot be lent to it"
+        if window_s == INFINITY:
+            notes.append(f"{refused}: their job may arrive at any moment, and this one could not save within "
+                         f"the {duration_words(state.config.reclaim_grace_s)} it would then have")
+            continue
         notes.append(
-            f"{free_now - min(n, free_now)} GPUs of {pool_label(name)} are free but the window before "
-            f"they are needed ({window_s:.0f}s) is shorter than this job needs "
-            f"({needed_s:.0f}s: start-up, load, {state.config.min_loan_steps} steps, save)"
+            f"{refused}: they are needed again in {duration_words(max(window_s, 0.0))}, sooner than this job "
+            f"could start, load, run {state.config.min_loan_steps} steps and save ({duration_words(needed_s)})"
         )
     return notes

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from jobs.planner.snapshot import Gpu, Job
+from jobs.planner.wording import plural
 
 
 def batch_divides(job: Job, dp: int) -> bool:
@@ -43,6 +44,30 @@ def largest_valid_dp(job: Job, at_most: int, at_least: int | None = None) -> int
         if batch_divides(job, d):
             return d
     return None
+
+
+def fit_problems(tp: int, pp: int, dp_min: int, node_gpus: Sequence[int]) -> dict[str, str]:
+    """Why a job of this shape can never run on nodes of these sizes, by spec field; {} if it can.
+
+    Each TP group needs ``tp`` GPUs on one node and the job at least ``dp_min`` replicas of
+    ``pp`` groups, counted on every node whatever its health (a failed node may be repaired).
+    Submission refuses such a job (``jobs.actions.jobs.submit_job``) and the planner holds one
+    that the cluster has shrunk under. A cluster with no nodes yet is being set up: nothing is
+    refused.
+    """
+    if not node_gpus:
+        return {}
+    largest = max(node_gpus)
+    if tp > largest:
+        return {"tp": f"{tp} GPUs per tensor-parallel group but the largest node has {largest}"}
+    room = sum(n // tp for n in node_gpus) // pp
+    if dp_min > room:
+        rep = tp * pp
+        return {"dp_min": (
+            f"at least {dp_min} replicas of {rep} GPUs ({dp_min * rep} GPUs) but the whole cluster has room "
+            f"for {room or 'none'} ({sum(node_gpus)} GPUs on {plural(len(node_gpus), 'node')})"
+        )}
+    return {}
 
 
 def replicas_of(job: Job, gpus: Sequence[Gpu]) -> list[tuple[Gpu, ...]]:

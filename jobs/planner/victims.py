@@ -24,7 +24,7 @@ from jobs.planner.layout import accum_steps, batch_divides, replicas_of
 from jobs.planner.rhythm import predict
 from jobs.planner.snapshot import PLACEABLE_HEALTH, PRIORITY_RANK, Gpu, Job
 from jobs.planner.starvation import is_aged, protected_by_min_run, waited_s
-from jobs.planner.wording import replica_count
+from jobs.planner.wording import duration_words, returning_sentence
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -279,9 +279,7 @@ def take_from_victims(
     soon_gpus = sum(len(o.freed) for o in options)
     state._claim_soon_free(zones, soon_gpus)
     state._claim_free(job, zones, need)
-    state._hold(job, "waiting_for_release",
-                f"Waiting for {soon_gpus} GPUs that {', '.join(names)} are saving and releasing; "
-                f"then it starts on {replica_count(dp)}.",
+    state._hold(job, "waiting_for_release", returning_sentence(soon_gpus, names, job.tp, job.pp, dp),
                 gpus_needed=need, victims=names)
     return True
 
@@ -345,7 +343,7 @@ def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: 
         "min_run_s": job.min_run_s,
     }
     why = (f"{requester.name} ({requester.priority}"
-           f"{', waiting ' + format(waited_s(requester, state.now), '.0f') + 's' if aged else ''}) needs GPUs")
+           f"{', waiting ' + duration_words(waited_s(requester, state.now)) if aged else ''}) needs GPUs")
     deadline = state.now + p.step_s + p.save_s * state.config.safety_factor + state.config.reclaim_margin_s
     rule = "victims" if not aged or PRIORITY_RANK[job.priority] > 1 else "starvation"
     if opt.is_shrink:

@@ -1,8 +1,18 @@
-"""How reasons name pools, sizes and times for a researcher (one phrasing for every rule)."""
+"""How reasons name pools, sizes, times and durations for a researcher (one phrasing for every rule).
+
+Times are written the way the planner's clock reads (``PlannerConfig.wall_clock_zone``): in the
+simulator as ``t=123s``, in production as a clock time that stays true when the audit row is
+read later: ``14:05 UTC`` (with the date when it is not the decision's day), followed by how
+long after the decision that is.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from datetime import UTC, datetime, tzinfo
+from functools import lru_cache
+from zoneinfo import ZoneInfo
 
 
 def pool_label(name: str) -> str:
@@ -22,6 +32,78 @@ def replica_count(n: int) -> str:
     return f"{n} replica" if n == 1 else f"{n} replicas"
 
 
-def fmt_t(t: float) -> str:
-    """A planner time as ``t=1234s``, or ``never``."""
-    return "never" if t == math.inf else f"t={t:.0f}s"
+def plural(n: int, word: str) -> str:
+    """``1 job``, ``3 jobs``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def join_words(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def gpu_shape(tp: int, pp: int, dp: int) -> str:
+    """A job's size at ``dp`` in plain words: ``16 GPUs (2 replicas of 8, each on one node)``."""
+    rep = tp * pp
+    n = rep * dp
+    if rep == 1:
+        return plural(n, "GPU")
+    groups = f"in groups of {tp} on one node" if tp > 1 and pp > 1 else ""
+    if dp == 1:
+        return f"{n} GPUs on one node" if pp == 1 else f"{n} GPUs{', ' + groups if groups else ''}"
+    where = ", each on one node" if pp == 1 else (", " + groups if groups else "")
+    return f"{n} GPUs ({dp} replicas of {rep}{where})"
+
+
+def returning_sentence(gpus: int, names: Sequence[str], tp: int, pp: int, dp: int) -> str:
+    """A hold that waits for GPUs the jobs ``names`` are giving back, then starts at ``dp``."""
+    who = join_words(list(names[:5]) + ([f"{len(names) - 5} more"] if len(names) > 5 else [])) or "other jobs"
+    return (f"{plural(gpus, 'GPU')} are on their way back from {who}, which save a checkpoint first; "
+            f"then it starts with {gpu_shape(tp, pp, dp)}.")
+
+
+def duration_words(seconds: float) -> str:
+    """``93784`` -> ``1 d 2 h``, ``2400`` -> ``40 min``, ``42`` -> ``42 s``: short and readable."""
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes = rest // 60
+    if days:
+        return f"{days} d {hours} h" if hours else f"{days} d"
+    if hours:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    return f"{minutes} min" if minutes else f"{seconds} s"
+
+
+@lru_cache(maxsize=16)
+def _zone(name: str) -> tzinfo:
+    return UTC if name == "UTC" else ZoneInfo(name)
+
+
+def fmt_t(t: float, now_s: float | None = None, zone: str | None = None) -> str:
+    """A planner time, or ``never``.
+
+    Without ``zone`` (the simulator) ``t=1234s``. With a zone (production: ``t`` and ``now_s``
+    are Unix seconds) the clock time in that zone, the date when it is not ``now_s``'s day,
+    and the distance from ``now_s`` (the decision): ``14:05 UTC (12 min after this decision)``,
+    ``09:00 UTC on Dec 4 (18 h after this decision)``.
+    """
+    if t == math.inf:
+        return "never"
+    if zone is None:
+        return f"t={t:.0f}s"
+    tz = _zone(zone)
+    at = datetime.fromtimestamp(t, tz)
+    text = f"{at:%H:%M} {at.tzname()}"
+    if now_s is None:
+        return f"{text} on {at:%b} {at.day} {at.year}"
+    now = datetime.fromtimestamp(now_s, tz)
+    if at.date() != now.date():
+        text += f" on {at:%b} {at.day}" + (f" {at.year}" if at.year != now.year else "")
+    delta = t - now_s
+    if abs(delta) < 1:
+        return text + " (at this decision)"
+    side = "after" if delta > 0 else "before"
+    return f"{text} ({duration_words(abs(delta))} {side} this decision)"

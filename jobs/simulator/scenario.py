@@ -124,7 +124,7 @@ EVENT_FIELDS = {
     "drain": ("node",),
     "cancel": ("job",),
 }
-POLICY_KEYS = {f.name for f in fields(PlannerConfig)} - {"reclaim_mode"}
+POLICY_KEYS = {f.name for f in fields(PlannerConfig)} - {"reclaim_mode", "wall_clock_zone"}
 
 
 def _keys(obj: Any, where: str, allowed: set[str], required: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def test_no_loan_into_a_window_too_short_to_be_worth_it() -> None:
     assert not result.by_kind("lend")
     (hold,) = result.by_kind("hold")
     assert hold.job == "sft"
-    assert "shorter than this job needs" in hold.reason.text
+    assert "cannot be lent to it: they are needed again in 1 min, sooner than this job could start" in hold.reason.text
 
 
 def test_reclaim_starts_one_lead_time_before_the_entitlement() -> None:
