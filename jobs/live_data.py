@@ -16,11 +16,24 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError
-from django.db.models import Avg, Max
+from django.db.models import Avg, Case, Count, Max, Q, Sum, Value, When
 from django.utils import timezone
 
 from jobs.live_events import describe_event
-from jobs.models import Allocation, ElasticEvent, EventKind, Job, Node, Reservation
+from jobs.models import (
+    Allocation,
+    ElasticEvent,
+    EventKind,
+    Job,
+    JobState,
+    Node,
+    NodeState,
+    PlannerControl,
+    PlannerRun,
+    Priority,
+    Reservation,
+)
+from jobs.planner.wording import duration_words
 
 logger = logging.getLogger(__name__)
 
@@ -85,27 +98,51 @@ def measured_step_s(job_ids: Iterable[int], now: datetime | None = None) -> dict
 
 
 def eta(job: Job, step_s: float | None) -> tuple[float | None, bool]:
-    """(seconds left, measured?) at the measured rhythm, else at the spec's step time."""
+    """(seconds left, measured?) at the measured rhythm, else at the spec's step time; no
+    seconds for a finished job, nor for one that cannot fit the cluster (it may never run)."""
     remaining = max(job.total_steps - job.committed_steps, 0)
-    if job.is_terminal:
+    if job.is_terminal or cannot_fit(job):
         return None, False
     measured = step_s is not None and step_s > 0
     return remaining * (step_s if measured else job.step_s), measured
 
 
 def human_duration(seconds: float | None) -> str:
-    """``93784`` -> ``"1 d 2 h"``; short and readable in a table cell."""
-    if seconds is None:
-        return "—"
-    seconds = int(seconds)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes = rest // 60
-    if days:
-        return f"{days} d {hours} h"
-    if hours:
-        return f"{hours} h {minutes} min"
-    return f"{minutes} min" if minutes else f"{seconds} s"
+    """``93784`` -> ``"1 d 2 h"``; short and readable in a table cell (the planner's words too)."""
+    return "—" if seconds is None else duration_words(seconds)
+
+
+# The hold cause of a job that can never fit the cluster as it is (jobs.planner.admission).
+CANNOT_FIT = "cannot_fit"
+
+
+def cannot_fit(job: Job) -> bool:
+    """Whether the planner holds the job because it can never fit the cluster as it is: its ETA
+    is then no number at all."""
+    return job.is_waiting and job.pending_cause == CANNOT_FIT
+
+
+def waiting_note(job: Job, last_hold: ElasticEvent | None, now: datetime | None = None) -> dict[str, Any] | None:
+    """What the job page and the dashboard say about a waiting job, or None when it does not wait.
+
+    Only pending, preempted and recovering jobs wait (``Job.is_waiting``), so the text always
+    agrees with the state badge beside it. ``lead`` and ``tail`` go either side of ``since``
+    (when the current reason began, shown as a ``<time>`` in ``style``): "Recovering since
+    07:21 after a fault, to restart from step 4200." Then ``reason``, the planner's sentence.
+    """
+    if not job.is_waiting:
+        return None
+    since = job.pending_since or job.state_changed_at
+    step = job.last_checkpoint_step
+    lead, tail = {
+        JobState.PENDING: ("Waiting since", ""),
+        JobState.PREEMPTED: ("Preempted; waiting since", f" to resume from step {step}"),
+        JobState.RECOVERING: ("Recovering since", f" after a fault, to restart from step {step}"),
+    }[job.state]
+    recent = (now or timezone.now()) - since < timedelta(hours=20)
+    return {"lead": lead, "since": since, "tail": tail, "style": "time" if recent else "datetime",
+            "reason": pending_reason(job, last_hold) or "The planner has not considered it yet.",
+            "cannot_fit": cannot_fit(job)}
 
 
 def pending_reason(job: Job, last_hold: ElasticEvent | None) -> str:
@@ -179,8 +216,55 @@ def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
 def job_markers(job: Job, since: datetime) -> list[dict[str, Any]]:
     """Scheduler events of the job in range, as chart markers with their sentence."""
     events = job.events.filter(at__gte=since, kind__in=MARKER_KINDS).order_by("id")[:500]
-    return [{"t": _iso(e.at), "kind": e.kind, "label": e.get_kind_display(), "text": describe_event(e)}
+    # The sentence without its hour: the browser prefixes the local time (omni.js).
+    return [{"t": _iso(e.at), "kind": e.kind, "label": e.get_kind_display(), "text": describe_event(e, with_time=False)}
             for e in events]
+
+
+# Kinds whose outcome ``step`` is a saved checkpoint (a completion saves last); elsewhere only
+# ``checkpoint_step`` names one (a resume's is the checkpoint it loaded: the same step again).
+CHECKPOINT_STEP_KINDS = frozenset({EventKind.CHECKPOINT, EventKind.COMPLETE})
+
+
+def checkpoint_of(event: ElasticEvent) -> tuple[int, float | None] | None:
+    """(step, save seconds or None) if the audit row reports a saved checkpoint."""
+    outcome = event.outcome if isinstance(event.outcome, dict) else {}
+    step = outcome.get("checkpoint_step")
+    if step is None and event.kind in CHECKPOINT_STEP_KINDS:
+        step = outcome.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        return None
+    save_s = outcome.get("save_s")
+    return step, float(save_s) if isinstance(save_s, (int, float)) and not isinstance(save_s, bool) else None
+
+
+def job_checkpoints(job: Job, limit: int = 20) -> list[dict[str, Any]]:
+    """The job's checkpoints, one row per step, newest first: the job page's card is the first row.
+
+    Two sources say a step was saved: the audit rows (``checkpoint_of``: a preempt's or
+    resize's outcome, a completion, a resume naming the step it loaded) and the job's own
+    ``last_checkpoint_step``/``_at``, which heartbeats advance without an audit row. A step
+    reported by several rows is one checkpoint, saved at the earliest of their times.
+    """
+    rows: dict[int, dict[str, Any]] = {}
+
+    def note(step: int, at: datetime | None, save_s: float | None) -> None:
+        row = rows.setdefault(step, {"step": step, "at": at, "save_s": save_s})
+        if at is not None and (row["at"] is None or at < row["at"]):
+            row["at"] = at
+        if row["save_s"] is None:
+            row["save_s"] = save_s
+
+    events = job.events.filter(
+        Q(kind__in=CHECKPOINT_STEP_KINDS) | Q(outcome__has_key="checkpoint_step")
+    ).order_by("-id")[:500]
+    for event in events:
+        found = checkpoint_of(event)
+        if found is not None:
+            note(found[0], event.at, found[1])
+    if job.last_checkpoint_step > 0:
+        note(job.last_checkpoint_step, job.last_checkpoint_at, None)
+    return sorted(rows.values(), key=lambda row: row["step"], reverse=True)[:limit]
 
 
 def reservation_boundaries(job: Job, since: datetime, until: datetime) -> list[dict[str, Any]]:
@@ -262,7 +346,7 @@ def utilisation_series(since: datetime, now: datetime | None = None, *, gpus_tot
             trace = cluster["traces"].get("cluster")
             if trace:
                 series["used_t"] = _epochs_to_ms(trace["t"])
-                series["used"] = [None if u is None else round(u / 100.0 * gpus_total, 2) for u in trace["util_pct"]]
+                series["used"] = [_used_gpus(u, gpus_total) for u in trace["util_pct"]]
         except Exception:
             logger.exception("telemetry cluster utilisation query failed")
     return series
@@ -289,3 +373,90 @@ def loans_by_reservation() -> dict[int, list[dict[str, Any]]]:
     for (reservation_id, _), loan in loans.items():
         grouped[reservation_id].append(loan)
     return grouped
+
+
+def _used_gpus(util_pct: float | None, gpus_total: int) -> float | None:
+    """Used GPUs: the mean utilisation of the GPUs that reported x the cluster's GPU count."""
+    return None if util_pct is None else round(util_pct / 100.0 * gpus_total, 2)
+
+
+# A live "used" point is the last minute's mean; each process computes one at most this often.
+USED_POINT_WINDOW = timedelta(minutes=1)
+USED_POINT_INTERVAL_S = 10.0
+_used_point: tuple[datetime | None, dict[str, Any] | None] = (None, None)
+
+
+def used_point(now: datetime, gpus_total: int) -> dict[str, Any] | None:
+    """``{"t", "gpus"}``: used GPUs over the last minute (telemetry.queries), for the utilisation
+    chart's live line; None when this process made one less than ``USED_POINT_INTERVAL_S`` ago
+    or no GPU reported."""
+    global _used_point
+    made_at, _ = _used_point
+    if made_at is not None and abs((now - made_at).total_seconds()) < USED_POINT_INTERVAL_S:
+        return None
+    point = None
+    queries = _telemetry_queries()
+    if queries is not None:
+        try:
+            trace = queries.cluster_utilisation(start=now - USED_POINT_WINDOW, end=now, max_points=1)["traces"].get("cluster")
+            values = [u for u in (trace or {}).get("util_pct", []) if u is not None]
+            if values:
+                point = {"t": _iso(now), "gpus": _used_gpus(values[-1], gpus_total)}
+        except Exception:
+            logger.exception("telemetry cluster utilisation query failed")
+    _used_point = (now, point)
+    return point
+
+
+# -- the Cluster page's summary -------------------------------------------------------------------
+
+# Classes in the order people think of them (the stored values sort alphabetically).
+CLASS_ORDER = Case(
+    When(priority=Priority.CRITICAL, then=Value(0)),
+    When(priority=Priority.REGULAR, then=Value(1)),
+    default=Value(2),
+)
+WAITING_STATES = (JobState.PENDING, JobState.PREEMPTED)
+QUEUE_LIMIT = 200
+
+
+def cluster_summary(now: datetime | None = None, *, control: PlannerControl | None = None) -> dict[str, Any]:
+    """The Cluster page's header counts, health and planner pills, planner line and queue:
+    rendered on load and sent live as ``cluster_summary`` (jobs.live_events, which adds a
+    utilisation point). Counts are the cluster's, for everyone; the queue names every waiting
+    job with why it waits, and is cut per viewer (``jobs.live_consumers.payload_for_viewer``).
+    Six queries (five with no job waiting, one less given the planner's ``control``).
+    """
+    now = now or timezone.now()
+    nodes = {row["state"]: row for row in Node.objects.order_by().values("state").annotate(n=Count("id"), gpus=Sum("gpu_count"))}
+    held = Allocation.objects.aggregate(allocated=Count("id"), borrowed=Count("id", filter=Q(borrowed_from__isnull=False)))
+    queue = list(Job.objects.filter(state__in=WAITING_STATES).select_related("owner")
+                 .order_by(CLASS_ORDER, "submitted_at")[:QUEUE_LIMIT])
+    holds = last_holds(job.pk for job in queue)
+    run = PlannerRun.objects.order_by("-started_at").first()
+    control = control or PlannerControl.load()
+    gpus_total = sum(row["gpus"] for row in nodes.values())
+    return {
+        "at": _iso(now),
+        "nodes": sum(row["n"] for row in nodes.values()),
+        "gpus_total": gpus_total,
+        "gpus_allocated": held["allocated"],
+        "gpus_borrowed": held["borrowed"],
+        "health": [{"state": state, "label": label, "count": nodes[state]["n"]}
+                   for state, label in NodeState.choices if state in nodes],
+        "planner": {
+            "paused": control.paused,
+            "dry_run": control.dry_run,
+            "last_run": None if run is None else {
+                "started_at": _iso(run.started_at), "duration_ms": run.duration_ms, "actions": run.actions,
+            },
+        },
+        "queue": [
+            {"id": job.pk, "name": job.name, "owner": job.owner.get_username() if job.owner_id else "",
+             "priority": job.priority,
+             "priority_label": job.get_priority_display(), "state": job.state, "state_label": job.get_state_display(),
+             "gpus_wanted": job.gpus_wanted, "waiting_s": int((now - job.state_changed_at).total_seconds()),
+             "why": pending_reason(job, holds.get(job.pk))}
+            for job in queue
+        ],
+    }

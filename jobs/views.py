@@ -21,7 +21,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Case, Count, Prefetch, Q, Value, When
+from django.db.models import Count, Prefetch, Q
 from django.http import (
     FileResponse,
     Http404,
@@ -35,22 +35,26 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs import actions, roles
-from jobs.audit import GENESIS_HASH, compute_hash
+from jobs.audit import GENESIS_HASH, link_problem
 from jobs.forms import AuditFilterForm, JobFilterForm, PlannerControlForm, ReservationForm
+from jobs.live_consumers import payload_for_user
 from jobs.live_data import (
+    CLASS_ORDER,
     RANGES,
+    cluster_summary,
     eta,
     human_duration,
+    job_checkpoints,
     job_markers,
     job_series,
     last_events,
     last_holds,
     loans_by_reservation,
     measured_step_s,
-    pending_reason,
     reservation_boundaries,
     reservation_windows,
     utilisation_series,
+    waiting_note,
 )
 from jobs.live_events import compact_nodes, describe_event, event_payload
 from jobs.models import (
@@ -59,22 +63,13 @@ from jobs.models import (
     EventKind,
     IllegalTransition,
     Job,
-    JobState,
     Node,
     NodeState,
     PlannerControl,
-    PlannerRun,
-    Priority,
     Reservation,
 )
 
 AUDIT_PAGE_SIZE = 100
-# Classes in the order people think of them (the stored values sort alphabetically).
-CLASS_ORDER = Case(
-    When(priority=Priority.CRITICAL, then=Value(0)),
-    When(priority=Priority.REGULAR, then=Value(1)),
-    default=Value(2),
-)
 EXPORT_CHUNK_ROWS = 2000
 CHAIN_VERIFY_BUDGET_ROWS = 200_000
 CHAIN_CACHE_KEY = "omni:audit-chain-verified"
@@ -141,7 +136,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     full = {job.pk for job in jobs if roles.job_visibility(user, job) is roles.Visibility.FULL}
     rhythm = measured_step_s(full)
     newest = last_events(full)
-    holds = last_holds([job.pk for job in jobs if job.pk in full and job.state in (JobState.PENDING, JobState.PREEMPTED)])
+    holds = last_holds([job.pk for job in jobs if job.pk in full and job.is_waiting])
     rows = []
     for job in jobs:
         if job.pk not in full:
@@ -155,9 +150,9 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "eta": human_duration(seconds_left),
             "eta_measured": measured,
             "step_s": rhythm.get(job.pk, job.step_s),
-            "last_text": describe_event(last) if last else "",
+            "last_text": describe_event(last, with_time=False) if last else "",
             "last_at": last.at if last else None,
-            "why": pending_reason(job, holds.get(job.pk)) if job.state in (JobState.PENDING, JobState.PREEMPTED) else "",
+            "waiting": waiting_note(job, holds.get(job.pk)),
         })
     counts = dict(Job.objects.values_list("state").annotate(n=Count("id")).order_by())
     context = {
@@ -209,17 +204,20 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     events = list(
         job.events.select_related("refers_to").prefetch_related("outcomes").order_by("-id")[:200]
     )
-    checkpoints = [
-        {"at": e.at, "step": e.outcome.get("checkpoint_step", e.outcome.get("step")), "save_s": e.outcome.get("save_s")}
-        for e in events
-        if e.kind == EventKind.CHECKPOINT or e.outcome.get("checkpoint_step") is not None
-    ]
+    checkpoints = job_checkpoints(job)
     hold = next((e for e in events if e.kind == EventKind.HOLD), None)
     rhythm = measured_step_s([job.pk]).get(job.pk)
     seconds_left, measured = eta(job, rhythm)
     by_node: dict[str, list[Allocation]] = {}
+    loans: dict[int, dict[str, Any]] = {}
     for allocation in allocations:
         by_node.setdefault(allocation.node.name, []).append(allocation)
+        if allocation.borrowed_from_id:
+            loan = loans.setdefault(allocation.borrowed_from_id, {
+                "reservation": allocation.borrowed_from.name, "gpus": 0, "until": allocation.loan_until})
+            loan["gpus"] += 1
+            if allocation.loan_until and (loan["until"] is None or allocation.loan_until < loan["until"]):
+                loan["until"] = allocation.loan_until
     chart = {
         "job_id": job.pk,
         "since": since.isoformat(),
@@ -237,10 +235,11 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "by_node": by_node,
         "nodes_text": compact_nodes(by_node),
         "borrowed": sum(1 for a in allocations if a.borrowed_from_id),
+        "loans": list(loans.values()),
         "events": [{"event": e, "text": describe_event(e, with_time=False)} for e in events],
-        "checkpoints": checkpoints[:20],
-        "why": pending_reason(job, hold) if job.state in (JobState.PENDING, JobState.PREEMPTED) else "",
-        "hold": hold,
+        "checkpoints": checkpoints,
+        "last_checkpoint": checkpoints[0] if checkpoints else None,
+        "waiting": waiting_note(job, hold),
         "eta": human_duration(seconds_left),
         "eta_measured": measured,
         "step_s": rhythm or job.step_s,
@@ -297,18 +296,15 @@ def console(request: HttpRequest) -> HttpResponse:
 
     Jobs appear as ``roles.job_visibility`` allows: the queue lists the jobs the viewer may see
     (the reason a job waits only for those seen in full), and GPUs, reservations and loans of
-    jobs the viewer may not see name no job.
+    jobs the viewer may not see name no job. The header, queue and planner line are the live
+    ``cluster_summary``, cut for the viewer as the socket cuts it.
     """
     user = request.user
     now = timezone.now()
     allocations = Allocation.objects.select_related("job").order_by("gpu_index")
     nodes = list(Node.objects.prefetch_related(Prefetch("allocations", allocations)).order_by("rack", "switch", "name"))
-    queue = list(
-        roles.visible_jobs(user, Job.objects.filter(state__in=(JobState.PENDING, JobState.PREEMPTED)))
-        .select_related("owner").order_by(CLASS_ORDER, "submitted_at")[:200]
-    )
-    full = {job.pk for job in queue if roles.job_visibility(user, job) is roles.Visibility.FULL}
-    holds = last_holds(full)
+    control = PlannerControl.load()
+    summary = payload_for_user(user, "cluster_summary", cluster_summary(now, control=control))
     reservations = list(
         Reservation.objects.select_related("job").filter(
             Q(end_at__isnull=True) | Q(end_at__gte=now - timedelta(hours=6)), cancelled_at__isnull=True
@@ -325,22 +321,14 @@ def console(request: HttpRequest) -> HttpResponse:
         }
         for r in reservations
     ]
-    control = PlannerControl.load()
     gpus_total = sum(node.gpu_count for node in nodes)
     context = {
         **_page_context(request, "console"),
         "racks": _cluster_map(user, nodes),
-        "node_count": len(nodes),
-        "health_counts": _health_counts(nodes),
-        "gpus_total": gpus_total,
-        "gpus_used": sum(len(node.allocations.all()) for node in nodes),
-        "gpus_borrowed": sum(1 for node in nodes for a in node.allocations.all() if a.borrowed_from_id),
-        "queue": [{"job": job, "why": pending_reason(job, holds.get(job.pk)) if job.pk in full else "",
-                   "waiting": human_duration((now - job.state_changed_at).total_seconds())} for job in queue],
+        "summary": summary,
         "reservations": reservations,
         "control": control,
         "control_form": PlannerControlForm(instance=control),
-        "last_run": PlannerRun.objects.order_by("-started_at").first(),
         "console_data": {
             "gantt": gantt, "since": since.isoformat(), "until": until.isoformat(), "now": now.isoformat(),
             "utilisation": utilisation_series(now - timedelta(hours=24), now, gpus_total=gpus_total),
@@ -359,14 +347,6 @@ def _gantt_loan(user, loan: dict[str, Any], until) -> dict[str, Any]:
         "priority": loan["priority"], "gpus": loan["gpus"], "since": loan["since"].isoformat(),
         "until": loan["until"].isoformat() if loan["until"] else until.isoformat(),
     }
-
-
-def _health_counts(nodes: list[Node]) -> list[tuple[str, str, int]]:
-    counts: dict[str, int] = {}
-    for node in nodes:
-        counts[node.state] = counts.get(node.state, 0) + 1
-    return [(state, label, counts[state]) for state, label in Node._meta.get_field("state").choices
-            if counts.get(state)]
 
 
 # Which node actions make sense from which health state (the buttons the console offers).
@@ -424,7 +404,7 @@ def planner_control(request: HttpRequest) -> HttpResponse:
     if changes:
         try:
             actions.set_planner_control(request.user, **changes)
-            messages.success(request, "Planner: " + ", ".join(f"{k} → {v}" for k, v in changes.items()) + ".")
+            messages.success(request, f"Planner: {actions.describe_control_changes(before, changes)}.")
         except ValidationError as exc:
             messages.error(request, "; ".join(exc.messages))
     else:
@@ -504,8 +484,9 @@ def audit(request: HttpRequest) -> HttpResponse:
                   "gpus": _change(e.gpus_before, e.gpus_after),
                   "layout": _change(_layout(e.dp_before, e.accum_before), _layout(e.dp_after, e.accum_after)),
                   "nodes": compact_nodes(e.nodes_after or e.nodes_before),
-                  "inputs_json": json.dumps((e.reason or {}).get("inputs", {}), indent=2, sort_keys=True),
-                  "outcome_json": json.dumps(e.outcome, indent=2, sort_keys=True) if e.outcome else "",
+                  "inputs": e.reason.get("inputs", {}) if isinstance(e.reason, dict) else {},
+                  # For auditors: the stored reason and outcome exactly, behind a <details>.
+                  "raw_json": json.dumps({"reason": e.reason, "outcome": e.outcome}, indent=2, sort_keys=True),
                   "outcomes": [{"event": o, "text": describe_event(o, with_time=False)} for o in e.outcomes.all()]}
                  for e in page],
         "next_before": page[-1].pk if has_more else None,
@@ -547,11 +528,9 @@ def chain_status(budget_rows: int = CHAIN_VERIFY_BUDGET_ROWS) -> dict[str, Any]:
             if not chunk:
                 break
             for event in chunk:
-                if event.prev_hash != state["last_hash"]:
-                    state["bad"] = {"id": event.pk, "problem": "its prev_hash does not match the row before it"}
-                    break
-                if compute_hash(event) != event.hash:
-                    state["bad"] = {"id": event.pk, "problem": "its contents do not match its stored hash"}
+                problem = link_problem(event, state["last_hash"])
+                if problem:
+                    state["bad"] = {"id": event.pk, "problem": problem}
                     break
                 state.update(last_id=event.pk, last_hash=event.hash, checked=state["checked"] + 1)
             if state["bad"] is not None:

@@ -62,6 +62,10 @@ class EventKind(StrEnum):
     NODE_SUSPECT = "node_suspect"
     NODE_FAILED = "node_failed"
     NODE_REPAIRED = "node_repaired"
+    NODE_REGISTERED = "node_registered"
+    NODE_EDITED = "node_edited"
+    NODE_REMOVED = "node_removed"
+    JOB_EDITED = "job_edited"
     RESERVE = "reserve"
     RESERVATION_CHANGE = "reservation_change"
     RESERVATION_CANCEL = "reservation_cancel"
@@ -118,6 +122,10 @@ EVENT_KIND_LABELS: dict[EventKind, str] = {
     EventKind.NODE_SUSPECT: "Node suspect",
     EventKind.NODE_FAILED: "Node failed",
     EventKind.NODE_REPAIRED: "Node repaired",
+    EventKind.NODE_REGISTERED: "Node registered",
+    EventKind.NODE_EDITED: "Node edited",
+    EventKind.NODE_REMOVED: "Node removed",
+    EventKind.JOB_EDITED: "Job edited",
     EventKind.RESERVE: "Reservation created",
     EventKind.RESERVATION_CHANGE: "Reservation changed",
     EventKind.RESERVATION_CANCEL: "Reservation cancelled",

@@ -7,12 +7,14 @@ bad input raises ``ValidationError`` (400), the wrong role ``PermissionDenied`` 
 
 One module per domain; callers use this package's names (``actions.submit_job``):
 
-- ``jobs``: submit, cancel and place jobs;
+- ``jobs``: submit, cancel, edit (an operator's) and place jobs;
 - ``reservations``: create, edit and cancel reservations;
-- ``nodes``: cordon, uncordon, drain, repair; heartbeat verdicts (suspect, failed);
+- ``nodes``: register, edit, remove; cordon, uncordon, drain, repair; heartbeat verdicts (suspect,
+  failed);
 - ``planner_pass``: the planner pass that applies a plan, and the planner's controls;
 - ``commands``: the command outbox: write, claim, send, acknowledge, outcome, expire;
-- ``agents``: what agents report: hello, heartbeats, step records, worker exits; fencing.
+- ``agents``: what agents report: hello, heartbeats, step records, worker exits; fencing;
+- ``edits``: what an operator's edit of a node or a job shares (the checked copy, before/after).
 
 Actions never import ``jobs.tasks``: a pass they need after commit is triggered by task name.
 """
@@ -36,17 +38,39 @@ from jobs.actions.commands import (
     resend_pending_commands,
     send_node_commands,
 )
-from jobs.actions.jobs import cancel_job, place_job, submit_job
+from jobs.actions.jobs import (
+    JOB_EDITABLE_UNTIL_DONE,
+    JOB_EDITABLE_WHILE_PENDING,
+    cancel_job,
+    edit_job,
+    job_editable_fields,
+    job_with_changes,
+    place_job,
+    submit_job,
+)
 from jobs.actions.nodes import (
+    NODE_EDITABLE,
     cordon_node,
     drain_node,
+    edit_node,
     heartbeat_verdicts,
     mark_node_failed,
     mark_node_repaired,
     mark_node_suspect,
+    node_history,
+    node_removal_refusal,
+    node_with_changes,
+    register_node,
+    remove_node,
     uncordon_node,
 )
-from jobs.actions.planner_pass import PLANNER_LOCK_KEY, PassResult, run_planner_pass, set_planner_control
+from jobs.actions.planner_pass import (
+    PLANNER_LOCK_KEY,
+    PassResult,
+    describe_control_changes,
+    run_planner_pass,
+    set_planner_control,
+)
 from jobs.actions.reservations import (
     RESERVATION_EDITABLE,
     cancel_reservation,
@@ -57,6 +81,9 @@ from jobs.models.commands import CommandState
 from jobs.models.states import IllegalTransition
 
 __all__ = [
+    "JOB_EDITABLE_UNTIL_DONE",
+    "JOB_EDITABLE_WHILE_PENDING",
+    "NODE_EDITABLE",
     "OPEN_COMMAND_STATES",
     "PLANNER_LOCK_KEY",
     "RESERVATION_EDITABLE",
@@ -71,13 +98,21 @@ __all__ = [
     "command_frame",
     "cordon_node",
     "create_reservation",
+    "describe_control_changes",
     "drain_node",
+    "edit_job",
+    "edit_node",
     "expire_overdue_commands",
     "fence_stray_workers",
     "heartbeat_verdicts",
+    "job_editable_fields",
+    "job_with_changes",
     "mark_node_failed",
     "mark_node_repaired",
     "mark_node_suspect",
+    "node_history",
+    "node_removal_refusal",
+    "node_with_changes",
     "place_job",
     "record_agent_hello",
     "record_command_ack",
@@ -85,6 +120,8 @@ __all__ = [
     "record_heartbeat",
     "record_step_records",
     "record_worker_exit",
+    "register_node",
+    "remove_node",
     "resend_pending_commands",
     "run_planner_pass",
     "send_node_commands",

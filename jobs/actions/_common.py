@@ -34,9 +34,9 @@ def job_nodes(job: Job) -> list[str]:
 
 
 def release_allocations(job: Job) -> list[str]:
-    """Free every GPU of the job; return the names of the nodes they were on."""
+    """Free every GPU of the job (closing their spans); return the names of the nodes they were on."""
     nodes = job_nodes(job)
-    Allocation.objects.filter(job=job).delete()
+    Allocation.objects.filter(job=job).release()
     return nodes
 
 
@@ -56,7 +56,7 @@ def kill_and_release(job: Job) -> int:
     fields += job.transition_to(JobState.PREEMPTED)
     job.preemptions += 1
     job.save(update_fields=fields)
-    Allocation.objects.filter(job=job).delete()
+    Allocation.objects.filter(job=job).release()
     return lost
 
 

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from jobs import live
 from jobs.actions._common import (
     agent_actor,
     control_logger,
@@ -50,6 +49,10 @@ class UnknownCommand(Exception):
 def agent_group(node_id: int) -> str:
     """The channel-layer group an agent's socket joins: ``agent-{node id}``."""
     return f"agent-{node_id}"
+
+
+# The jobs.live event that carries one command frame to an agent's group (jobs.consumers).
+COMMAND_EVENT = "command"
 
 
 # -- writing commands ------------------------------------------------------------------------
@@ -181,17 +184,9 @@ def send_node_commands(node_id: int) -> None:
     retried by ``expire_overdue_commands`` after the ack timeout, and the agent drops duplicates.
     """
     commands = claim_commands_for_dispatch(node_id)
-    if not commands:
-        return
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    frames = [command_frame(c) for c in commands]
-    try:
-        async_to_sync(layer.group_send)(agent_group(node_id), {"type": "agent.commands", "frames": frames})
-    except Exception:  # the outbox keeps them; the sweep resends after the ack timeout
-        control_logger.warning("could not hand %d command(s) for node %s to the channel layer", len(frames),
-                               node_id, exc_info=True)
+    # jobs.live hands them to the agent's group without waiting; one lost on the way stays in
+    # the outbox, and the sweep resends it after the ack timeout.
+    live.send_messages(live.message(agent_group(node_id), COMMAND_EVENT, command_frame(c)) for c in commands)
 
 
 def resend_pending_commands() -> None:
@@ -331,9 +326,9 @@ def _resize_done(o: _Outcome) -> None:
         return
     fields = note_checkpoint(job, o.reported)
     release = {(n, i) for n, i in command.payload.get("release", [])}
-    for alloc in list(job.allocations.select_related("node")):
-        if (alloc.node.name, alloc.gpu_index) in release:
-            alloc.delete()
+    Allocation.objects.filter(pk__in=[
+        alloc.pk for alloc in job.allocations.select_related("node") if (alloc.node.name, alloc.gpu_index) in release
+    ]).release()
     job.set_dp(int(command.payload["dp_after"]))
     fields += ["dp", "accum_steps"]
     if command.payload.get("relaunch"):
@@ -396,7 +391,7 @@ def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None
     job.save(update_fields=[*job.transition_to(JobState.RECOVERING), "committed_steps"])
     nodes = job_nodes(job)
     survivors = list(Node.objects.filter(name__in=nodes).exclude(state=NodeState.FAILED))
-    Allocation.objects.filter(job=job).delete()
+    Allocation.objects.filter(job=job).release()
     write_stop_commands(job, survivors)
     dispatch_on_commit({n.id for n in survivors})
     record_event(kind, job=job, actor=actor, command=command.id if command else None, refers_to=refers_to,

@@ -1,17 +1,31 @@
-"""Node health: operators cordon, uncordon, drain and repair nodes; silent nodes become suspect,
-then failed, and the jobs on a failed node recover elsewhere (docs/control-loop.md)."""
+"""Nodes: operators register, edit and remove them, and cordon, uncordon, drain and repair them;
+silent nodes become suspect, then failed, and the jobs on a failed node recover elsewhere
+(docs/control-loop.md)."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q, QuerySet, TextField
+from django.db.models.functions import Cast
 
 from jobs.actions._common import WORKING_JOB_STATES, actor_name, trigger_plan
 from jobs.actions.commands import expire_node_commands, record_job_fault
+from jobs.actions.edits import (
+    changed_facts,
+    describe_changes,
+    refuse_fields,
+    refuse_invalid,
+    wait_for_planner,
+    with_changes,
+)
 from jobs.audit import record_event
-from jobs.models import Allocation, Job, Node, NodeState
+from jobs.models import Allocation, ElasticEvent, Job, Node, NodeState
 from jobs.roles import require_operator
 from jobs.vocab import EventKind
 
@@ -65,6 +79,144 @@ def mark_node_repaired(node: Node, actor) -> Node:
     text = f"{actor_name(actor)} marked {node.name} repaired and healthy."
     return _node_action(node, actor, allowed="mark nodes repaired", target=NodeState.HEALTHY,
                         kind=EventKind.NODE_REPAIRED, text=text)
+
+
+# -- the node record: register, edit, remove ---------------------------------------------------
+
+# What an operator may change on a node: where it sits and what GPUs it has. Its name is how
+# agents, commands and the audit log know it; state, heartbeat and speed factor are measured.
+NODE_EDITABLE = ("rack", "switch", "gpu_model", "gpu_count")
+# A node's own bookkeeping rows describe the record, not work done on the node: they do not stop
+# a mistaken registration from being removed.
+NODE_RECORD_EVENTS = (EventKind.NODE_REGISTERED, EventKind.NODE_EDITED, EventKind.NODE_REMOVED)
+
+
+def node_with_changes(node: Node, changes: dict[str, Any]) -> Node:
+    """The node as the edit would leave it (for an unsaved node: as registered), or a
+    ValidationError naming each refused field. The admin's form asks it; the actions ask again
+    under their locks."""
+    errors = refuse_fields(changes, NODE_EDITABLE if node.pk is not None else ("name", *NODE_EDITABLE))
+    gpu_count = changes.get("gpu_count")
+    if gpu_count is not None and gpu_count < 1:
+        errors["gpu_count"] = ["a node has at least one GPU"]
+    elif gpu_count is not None and node.pk is not None:
+        # GPU indexes run from 0: fewer GPUs than the highest held index + 1 would strand a job.
+        held = (Allocation.objects.filter(node=node, gpu_index__gte=gpu_count).select_related("job")
+                .order_by("-gpu_index").first())
+        if held is not None:
+            errors["gpu_count"] = [
+                f"{node.name} cannot have {gpu_count} GPUs: GPU {held.gpu_index} is held by {held.job.name}; "
+                f"keep at least {held.gpu_index + 1}, or drain the node first"
+            ]
+    edited = with_changes(node, changes)
+    refuse_invalid(edited, errors)
+    return edited
+
+
+@transaction.atomic
+def register_node(actor, *, name: str, rack: str, switch: str, gpu_count: int, gpu_model: str = "H100-80GB") -> Node:
+    """Add a machine to the cluster, healthy; its agent needs a token (``issue_agent_token``)."""
+    require_operator(actor, "register nodes")
+    facts = {"name": name, "rack": rack, "switch": switch, "gpu_count": gpu_count, "gpu_model": gpu_model}
+    node = node_with_changes(Node(), facts)
+    node.save(force_insert=True)
+    record_event(
+        EventKind.NODE_REGISTERED,
+        actor=actor_name(actor),
+        actor_user=actor,
+        nodes_after=[name],
+        reason={
+            "rule": "node_registered",
+            "text": f"{actor_name(actor)} registered node {name}: {gpu_count}x {gpu_model} in rack {rack}, "
+            f"switch {switch}.",
+            "inputs": facts,
+        },
+    )
+    return node
+
+
+@transaction.atomic
+def edit_node(node: Node, actor, **changes: Any) -> Node:
+    """Change where a node sits or what GPUs it has; a GPU count that would strand GPUs that jobs
+    hold is refused. The audit row keeps the before and after."""
+    require_operator(actor, "edit nodes")
+    wait_for_planner()
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    edited = node_with_changes(node, changes)
+    before, after = changed_facts(node, edited, list(changes))
+    if not before:
+        return node
+    edited.save(update_fields=list(before))
+    record_event(
+        EventKind.NODE_EDITED,
+        actor=actor_name(actor),
+        actor_user=actor,
+        nodes_before=[node.name],
+        nodes_after=[node.name],
+        reason={
+            "rule": "node_edited",
+            "text": f"{actor_name(actor)} changed node {node.name}: {describe_changes(before, after)}.",
+            "inputs": {"node": node.name, "before": before, "after": after},
+        },
+    )
+    return edited
+
+
+def _audit_rows_naming(name: str) -> QuerySet[ElasticEvent]:
+    # Node names sit in JSON (the node lists, the reason's inputs). Matching the quoted name in
+    # their text works on PostgreSQL and SQLite alike; a node is removed rarely enough to scan.
+    quoted = json.dumps(name)
+    return ElasticEvent.objects.alias(
+        before_text=Cast("nodes_before", TextField()),
+        after_text=Cast("nodes_after", TextField()),
+        why_text=Cast("reason", TextField()),
+    ).filter(Q(before_text__contains=quoted) | Q(after_text__contains=quoted) | Q(why_text__contains=quoted))
+
+
+def node_history(node: Node) -> dict[str, int]:
+    """What the cluster remembers of the node beyond its own record, by kind: every row that
+    points at it (GPUs held now and before, commands, telemetry streams, and whatever relation is
+    added later) and the audit rows that name it."""
+    history = {
+        str(rel.related_model._meta.verbose_name_plural): rel.related_model._base_manager.filter(
+            **{rel.field.name: node}).count()
+        for rel in Node._meta.related_objects
+    }
+    history["audit rows"] = _audit_rows_naming(node.name).exclude(kind__in=NODE_RECORD_EVENTS).count()
+    return history
+
+
+def node_removal_refusal(node: Node) -> str:
+    """Why the node may not be removed, as a sentence; empty when it may."""
+    history = ", ".join(f"{what}: {count}" for what, count in node_history(node).items() if count)
+    if not history:
+        return ""
+    return f"{node.name} has history ({history}) and cannot be deleted; cordon it to keep it out of service."
+
+
+@transaction.atomic
+def remove_node(node: Node, actor) -> None:
+    """Delete a node that never did any work (a mistaken registration); one with history stays."""
+    require_operator(actor, "remove nodes")
+    wait_for_planner()
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    refusal = node_removal_refusal(node)
+    if refusal:
+        raise ValidationError(refusal)
+    facts = {field: getattr(node, field) for field in ("name", *NODE_EDITABLE)}
+    node.delete()
+    record_event(
+        EventKind.NODE_REMOVED,
+        actor=actor_name(actor),
+        actor_user=actor,
+        nodes_before=[facts["name"]],
+        reason={
+            "rule": "node_removed",
+            "text": f"{actor_name(actor)} removed node {facts['name']} ({facts['gpu_count']}x "
+            f"{facts['gpu_model']}); it had held no GPUs for a job and received no commands.",
+            "inputs": facts,
+        },
+    )
 
 
 # -- heartbeat verdicts ----------------------------------------------------------------------

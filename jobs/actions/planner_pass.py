@@ -37,6 +37,18 @@ PLANNER_LOCK_KEY = 0x4F4D4E50  # "OMNP"
 PLANNER_KNOBS = ("paused", "dry_run", "safety_factor", "min_run_s", "reclaim_grace_s")
 
 
+def describe_control_changes(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """``paused off → on, min run 60 s → 120 s``: the knobs in words, never Python's ``False``."""
+
+    def word(knob: str, value: Any) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return f"{value} s" if knob.endswith("_s") else str(value)
+
+    return ", ".join(f"{knob.removesuffix('_s').replace('_', ' ')} {word(knob, before[knob])} → {word(knob, value)}"
+                     for knob, value in after.items() if knob in before)
+
+
 @transaction.atomic
 def set_planner_control(actor, **changes: Any) -> PlannerControl:
     """Pause/resume the planner, switch dry-run, or turn its knobs; each change is audited."""
@@ -54,7 +66,7 @@ def set_planner_control(actor, **changes: Any) -> PlannerControl:
     control.updated_at = timezone.now()
     control.updated_by = actor
     control.save(update_fields=[*changes, "updated_at", "updated_by"])
-    described = ", ".join(f"{knob} {before[knob]} -> {value}" for knob, value in changes.items())
+    described = describe_control_changes(before, changes)
     record_event(
         EventKind.OVERRIDE,
         actor=actor_name(actor),
@@ -257,14 +269,21 @@ def _borrowed_from_for(a: _Applying) -> dict[tuple[str, int], Reservation]:
 
 
 def _hold(a: _Applying) -> int:
-    """The job keeps waiting: note why (an audit row only when the reason changes)."""
+    """The job keeps waiting: keep its sentence current, and audit the hold only when its cause
+    changes (a pass every few seconds would otherwise repeat it); ``pending_since`` is when the
+    current cause began."""
     job, action = a.job, a.action
     text = action.reason.text
-    if job.pending_reason != text:
-        job.pending_reason = text
-        job.save(update_fields=["pending_reason"])
-        record_event(EventKind.HOLD, job=job, actor=PLANNER_ACTOR, planner_run=a.run.id,
-                     reason=action.reason.to_dict(), dp_before=job.dp, global_batch=job.global_batch)
+    cause = str(action.reason.inputs.get("cause", ""))[:32]
+    if job.pending_cause == cause and job.pending_since is not None:
+        if job.pending_reason != text:
+            job.pending_reason = text
+            job.save(update_fields=["pending_reason"])
+        return 0
+    job.pending_reason, job.pending_cause, job.pending_since = text, cause, a.now
+    job.save(update_fields=["pending_reason", "pending_cause", "pending_since"])
+    record_event(EventKind.HOLD, job=job, actor=PLANNER_ACTOR, planner_run=a.run.id,
+                 reason=action.reason.to_dict(), dp_before=job.dp, global_batch=job.global_batch)
     return 0
 
 
@@ -281,7 +300,7 @@ def _start(a: _Applying) -> int:
     Allocation.objects.filter(job=job).exclude(
         pk__in=[al.pk for al in Allocation.objects.filter(job=job).select_related("node")
                 if (al.node.name, al.gpu_index) in after]
-    ).delete()
+    ).release(at=a.now)
     job.set_dp(len(after) // job.replica_gpus)
     fields = job.transition_to(JobState.RUNNING)
     job.pending_reason = ""

@@ -12,6 +12,7 @@ from django.utils import timezone
 from jobs.actions._common import actor_name
 from jobs.audit import record_event
 from jobs.models import Job, Priority, Reservation
+from jobs.planner.wording import duration_words
 from jobs.roles import require_operator
 from jobs.vocab import EventKind
 
@@ -74,7 +75,7 @@ def create_reservation(
     )
     _validate_reservation(reservation)
     reservation.save()
-    window = f"every {period_s}s for {active_s}s" if period_s else "continuously"
+    window = f"{duration_words(active_s)} of every {duration_words(period_s)}" if period_s else "continuously"
     record_event(
         EventKind.RESERVE,
         job=job,

@@ -31,7 +31,7 @@ class JobSerializer(serializers.ModelSerializer):
             "global_batch", "micro_batch", "accum_steps", "total_steps", "committed_steps", "step_s",
             "comm_fraction", "min_run_s", "checkpoint_every_steps", "checkpoint_save_s", "checkpoint_load_s",
             "last_checkpoint_step", "last_checkpoint_at", "measured_save_s", "measured_load_s",
-            "preemptions", "pending_reason", "submitted_at", "started_at", "finished_at", "gpus", "allocations",
+            "preemptions", "pending_reason", "pending_since", "submitted_at", "started_at", "finished_at", "gpus", "allocations",
         ]
         read_only_fields = fields
 
@@ -47,7 +47,9 @@ class JobSerializer(serializers.ModelSerializer):
 
 
 class JobSubmitSerializer(serializers.Serializer):
-    """What a researcher sends to submit a job; cross-field rules are checked by submit_job."""
+    """What a researcher sends to submit a job: each field's type and range. The rules across
+    fields and against the cluster (batch split, DP bounds, fits the nodes) are ``submit_job``'s,
+    which answers a ValidationError per field: the API's 400, the same as the action's."""
 
     name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128)
     priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.REGULAR)
@@ -65,24 +67,6 @@ class JobSubmitSerializer(serializers.Serializer):
     checkpoint_every_steps = serializers.IntegerField(min_value=1, default=500)
     checkpoint_save_s = serializers.FloatField(min_value=0.0, default=30.0)
     checkpoint_load_s = serializers.FloatField(min_value=0.0, default=60.0)
-
-    def validate(self, attrs):
-        errors = {}
-        dp = attrs["dp"]
-        dp_min = attrs.get("dp_min", dp)
-        dp_max = attrs.get("dp_max", dp)
-        if dp_min > dp_max:
-            errors["dp_min"] = f"dp_min {dp_min} is larger than dp_max {dp_max}"
-        elif not dp_min <= dp <= dp_max:
-            errors["dp"] = f"dp {dp} is outside [dp_min {dp_min}, dp_max {dp_max}]"
-        if attrs["global_batch"] % (attrs["micro_batch"] * dp):
-            errors["global_batch"] = (
-                f"global batch {attrs['global_batch']} does not split into {dp} replicas "
-                f"of micro-batch {attrs['micro_batch']}"
-            )
-        if errors:
-            raise serializers.ValidationError(errors)
-        return attrs
 
 
 class NodeSerializer(serializers.ModelSerializer):

@@ -9,16 +9,6 @@
   const $$ = (sel, root) => Array.from((root || document).querySelectorAll(sel));
   const MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
   const pad = (n) => String(n).padStart(2, "0");
-  function fmtTime(iso, withDate) {
-    const d = new Date(iso);
-    const hm = pad(d.getUTCHours()) + ":" + pad(d.getUTCMinutes());
-    return withDate === false ? hm : MONTHS[d.getUTCMonth()] + " " + d.getUTCDate() + " " + hm;
-  }
-  function fmtFull(iso) {
-    const d = new Date(iso);
-    return d.getUTCFullYear() + "-" + pad(d.getUTCMonth() + 1) + "-" + pad(d.getUTCDate()) + " " +
-      pad(d.getUTCHours()) + ":" + pad(d.getUTCMinutes()) + ":" + pad(d.getUTCSeconds());
-  }
   function el(tag, attrs, children) {
     const node = document.createElement(tag);
     Object.entries(attrs || {}).forEach(([k, v]) => {
@@ -29,13 +19,83 @@
     (children || []).forEach((c) => node.append(c));
     return node;
   }
-  function humanDuration(seconds) {
+  function humanDuration(seconds) {  // jobs.live_data.human_duration
     if (seconds === null || seconds === undefined || !isFinite(seconds)) return "—";
-    seconds = Math.round(seconds);
+    seconds = Math.floor(seconds);
     const d = Math.floor(seconds / 86400), h = Math.floor((seconds % 86400) / 3600), m = Math.floor((seconds % 3600) / 60);
-    if (d) return d + " d " + h + " h";
-    if (h) return h + " h " + m + " min";
+    if (d) return h ? d + " d " + h + " h" : d + " d";
+    if (h) return m ? h + " h " + m + " min" : h + " h";
     return m ? m + " min" : seconds + " s";
+  }
+
+  // -- times: the browser's local time, the UTC timestamp on hover --------------------------------
+  // The server writes <time datetime="ISO" data-style=... [data-relative="also"|"only"]> with UTC
+  // text ({% timestamp %}, jobs/templatetags/omni.py); upgradeTimes rewrites it here, in the
+  // same shapes, and relative times are re-rendered every 30 s so a page left open stays true.
+  const TIME_STYLES = {
+    time: (d) => pad(d.getHours()) + ":" + pad(d.getMinutes()),
+    datetime: (d) => MONTHS[d.getMonth()] + " " + d.getDate() + " " + TIME_STYLES.time(d),
+    full: (d) => d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " + TIME_STYLES.time(d) + ":" + pad(d.getSeconds()),
+  };
+  const toDate = (t) => (t instanceof Date ? t : new Date(typeof t === "number" ? t : Date.parse(t)));
+  const localTime = (t, style) => (TIME_STYLES[style] || TIME_STYLES.datetime)(toDate(t));
+  const utcStamp = (t) => toDate(t).toISOString().slice(0, 19).replace("T", " ") + " UTC";
+  function relativeText(t, now) {  // the words of omni.py's relative_time
+    const seconds = (toDate(t).getTime() - (now || Date.now())) / 1000;
+    if (Math.abs(seconds) < 10) return "just now";
+    const span = humanDuration(Math.abs(seconds));
+    return seconds > 0 ? "in " + span : span + " ago";
+  }
+  function renderTime(node, now) {
+    const d = toDate(node.getAttribute("datetime"));
+    if (isNaN(d.getTime())) return;
+    const local = localTime(d, node.dataset.style), mode = node.dataset.relative;
+    node.textContent = mode === "only" ? relativeText(d, now) : mode ? local + " (" + relativeText(d, now) + ")" : local;
+    node.title = (mode === "only" ? local + " local time · " : "") + utcStamp(d);
+  }
+  function upgradeTimes(root) { const now = Date.now(); $$("time[datetime]", root).forEach((n) => renderTime(n, now)); }
+  function timeEl(t, style, relative) {
+    const node = el("time", {datetime: toDate(t).toISOString(), "data-style": style || "datetime", "data-relative": relative || null});
+    renderTime(node, Date.now());
+    return node;
+  }
+  // Plotly.js (3.x) draws milliseconds since the epoch in the browser's local time, but an ISO
+  // string at its UTC wall-clock time (it drops the offset): every instant a chart shows goes
+  // through this, so axes, markers and hover labels all read in local time.
+  const plotTime = (t) => toDate(t).getTime();
+
+  // -- an audit row's inputs and outcome as a key/value table ---------------------------------------
+  // The rules of facts_table in jobs/templatetags/omni.py: numbers named like times in the range
+  // of Unix seconds are instants, units come from the key's suffix, nested objects are sub-rows.
+  const TIME_KEY = /(^|_)(at|t|now|since|until|deadline)$|_(s|at|t)$/, ISO_TIME = /^\d{4}-\d\d-\d\dT\d\d:\d\d/;
+  const UNITS = [["_ms", " ms"], ["_s", " s"], ["_pct", " %"]];
+  const isObject = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+  function factValue(key, v) {
+    if (v === null || v === undefined || (Array.isArray(v) && !v.length) || (isObject(v) && !Object.keys(v).length)) return "—";
+    if (typeof v === "boolean") return v ? "yes" : "no";
+    if (typeof v === "number") {
+      if (TIME_KEY.test(key) && v >= 1e9 && v < 1e10) return timeEl(v * 1000, "full");
+      const unit = UNITS.find(([suffix]) => key.endsWith(suffix));
+      return (Number.isInteger(v) ? String(v) : v.toFixed(2).replace(/\.?0+$/, "")) + (unit ? unit[1] : "");
+    }
+    if (typeof v === "string") return ISO_TIME.test(v) ? timeEl(v, "full") : v;
+    if (Array.isArray(v) && v.every((x) => x === null || typeof x !== "object")) {
+      const span = el("span");
+      v.forEach((x, i) => { if (i) span.append(", "); span.append(factValue(key, x)); });
+      return span;
+    }
+    return JSON.stringify(v);
+  }
+  function factsTable(facts) {
+    if (!isObject(facts) || !Object.keys(facts).length) return el("p", {class: "muted small facts-empty", text: "none recorded"});
+    const body = el("tbody");
+    const rows = (obj, depth) => Object.keys(obj).sort().forEach((key) => {
+      const v = obj[key], group = isObject(v) && Object.keys(v).length > 0;
+      body.append(el("tr", {class: "d" + Math.min(depth, 3) + (group ? " group" : "")}, [el("th", {text: key}), el("td", {}, group ? [] : [factValue(key, v)])]));
+      if (group) rows(v, depth + 1);
+    });
+    rows(facts, 0);
+    return el("table", {class: "fact-table"}, [body]);
   }
   function csrfToken() {
     const input = $("input[name=csrfmiddlewaretoken]");
@@ -174,24 +234,38 @@
     }, extra || {});
   }
   const PLOT_CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
-  const NO_DATA = {text: "No samples in this range yet", xref: "paper", yref: "paper", x: 0.5, y: 0.5,
+  const NO_DATA = {text: "No data yet", xref: "paper", yref: "paper", x: 0.5, y: 0.5,
     showarrow: false, font: {size: 13, color: "#8a95a3"}, name: "no-data"};
-  function hasPoints(traces) { return traces.some((t) => (t.x && t.x.length) || (t.z && t.z.length)); }
+  // A chart without data says so, in a short box with no empty axes around the words.
+  const noDataLayout = (layout) => Object.assign(layout, {xaxis: {visible: false}, yaxis: {visible: false}, showlegend: false,
+    shapes: [], annotations: [NO_DATA], margin: {l: 56, r: 16, t: 30, b: 8}});
+  function plotChart(id, traces, layout, hasData) {
+    const div = document.getElementById(id), resized = div.classList.contains("no-data") === hasData;
+    div.classList.toggle("no-data", !hasData);
+    Plotly.react(div, traces, hasData ? layout : noDataLayout(layout), PLOT_CONFIG);
+    if (resized && div._fullLayout) Plotly.Plots.resize(div);  // the box changed height: fill it
+  }
+  function hasPoints(traces) { return traces.some((t) => t.x && t.x.length); }
+  // A time axis spans what the data covers, first to last point, with a small margin.
+  function coveredRange(min, max) {
+    const margin = Math.max((max - min) * 0.03, 30000);
+    return [min - margin, max + margin];
+  }
   function markerShapes(markers) {
     return markers.map((m) => ({
-      type: "line", xref: "x", yref: "paper", x0: m.t, x1: m.t, y0: 0, y1: 1,
+      type: "line", xref: "x", yref: "paper", x0: plotTime(m.t), x1: plotTime(m.t), y0: 0, y1: 1,
       line: {color: cssVar(KIND_COLOURS[m.kind] || "--muted"), width: 1.2, dash: m.kind.startsWith("window") ? "dot" : "dash"},
     }));
   }
   function markerAnnotations(markers) {
     return markers.map((m) => ({
-      x: m.t, xref: "x", y: 1, yref: "paper", yanchor: "bottom", showarrow: false, text: "▼",
-      font: {size: 10, color: cssVar(KIND_COLOURS[m.kind] || "--muted")}, hovertext: m.text || m.label, captureevents: true,
+      x: plotTime(m.t), xref: "x", y: 1, yref: "paper", yanchor: "bottom", showarrow: false, text: "▼",
+      font: {size: 10, color: cssVar(KIND_COLOURS[m.kind] || "--muted")}, hovertext: localTime(m.t, "time") + " " + (m.text || m.label), captureevents: true,
     }));
   }
 
   // -- dashboard ---------------------------------------------------------------------------------
-  function updateJobRow(row, job, sentence) {
+  function updateJobRow(row, job, event) {
     $("[data-field=state]", row).replaceChildren(statePill(job.state, job.state_label));
     const gpus = $("[data-field=gpus]", row);
     gpus.replaceChildren(document.createTextNode(String(job.gpus)));
@@ -206,8 +280,8 @@
     if (eta && eta.firstChild) eta.firstChild.textContent = "ETA " + humanDuration(job.remaining_steps * stepS) + " ";
     if (["pending", "preempted"].includes(job.state) && job.pending_reason) {
       $("[data-field=last]", row).replaceChildren(el("span", {class: "muted", text: "Waiting: "}), job.pending_reason);
-    } else if (sentence) {
-      $("[data-field=last]", row).replaceChildren(el("span", {text: sentence}));
+    } else if (event) {
+      $("[data-field=last]", row).replaceChildren(timeEl(event.at, "time"), " ", el("span", {text: event.sentence || event.text}));
     }
     flash(row);
   }
@@ -224,7 +298,7 @@
     });
     live.on("job_event", (payloads) => payloads.forEach((p) => {
       const row = rows[String(p.job.id)];
-      if (row) updateJobRow(row, p.job, p.event.text);
+      if (row) updateJobRow(row, p.job, p.event);
     }));
     if (summaries) {
       live.subscribe("cluster");
@@ -270,28 +344,58 @@
     data.gpu_keys.forEach((k) => addGpu(k.name, k.node, k.gpu));
     const heat = gpuNames.length > 16;
 
-    // Every chart spans the chosen range and grows to the newest live point.
-    let rangeEnd = data.until;
-    const xaxis = () => Object.assign(baseLayout().xaxis, {range: [data.since, rangeEnd]});
-    function clearNoData(id) {
-      const div = document.getElementById(id);
-      const notes = (div.layout.annotations || []).filter((a) => a.name !== "no-data");
-      if (notes.length !== (div.layout.annotations || []).length) Plotly.relayout(id, {annotations: notes});
+    // Chart times are milliseconds (plotTime). The three charts share one time
+    // axis spanning what the data covers, first to last point (the chosen range only bounds what
+    // was fetched), and it grows as live points arrive.
+    series.step.t = series.step.t.map(plotTime);
+    series.tokens.t = series.tokens.t.map(plotTime);
+    Object.values(series.gpus).forEach((t) => { t.t = t.t.map(plotTime); });
+    const CHARTS = ["chart-step", "chart-gpu", "chart-tokens"];
+    const extent = {min: Infinity, max: -Infinity};
+    const widen = (xs) => xs.forEach((x) => { extent.min = Math.min(extent.min, x); extent.max = Math.max(extent.max, x); });
+    widen(series.step.t);
+    Object.values(series.gpus).forEach((t) => widen(t.t));
+    const chartSpec = {
+      "chart-step": () => ({title: "Step time (s)", yaxis: Object.assign(baseLayout().yaxis, {title: {text: "s / step"}})}),
+      "chart-gpu": () => ({title: "GPU utilisation (%)" + (heat ? " · one row per GPU" : ""), showlegend: !heat && gpuNames.length <= 8,
+        hovermode: heat ? "closest" : "x unified", margin: {l: 56, r: 16, t: 44, b: heat ? 46 : 34},  // the strip's dates
+        yaxis: heat ? {automargin: true, tickfont: {size: 9}} : Object.assign(baseLayout().yaxis, {range: [0, 105], title: {text: "%"}})}),
+      "chart-tokens": () => ({title: "Tokens per step, by modality", yaxis: Object.assign(baseLayout().yaxis, {title: {text: "tokens"}})}),
+    };
+    function chartLayout(id, hasData) {
+      const spec = chartSpec[id]();
+      const layout = baseLayout(Object.assign(spec, {title: {text: spec.title, font: {size: 13}, x: 0, y: 0.98}}));
+      if (!hasData) return layout;
+      return Object.assign(layout, {xaxis: Object.assign(baseLayout().xaxis, {range: coveredRange(extent.min, extent.max)}),
+        shapes: markerShapes(markers), annotations: id === "chart-step" ? markerAnnotations(markers) : []});
     }
-    function growRange(newest) {
-      if (!newest || new Date(newest) <= new Date(rangeEnd)) return;
-      rangeEnd = newest;
-      ["chart-step", "chart-gpu", "chart-tokens"].forEach((id) => Plotly.relayout(id, {"xaxis.range": [data.since, rangeEnd]}));
+    function redraw(id) {
+      const div = document.getElementById(id);
+      plotChart(id, div.data, chartLayout(id, hasPoints(div.data)), hasPoints(div.data));
+    }
+    function growRange(xs) {
+      widen(xs);
+      CHARTS.forEach((id) => {
+        const div = document.getElementById(id);
+        if (!hasPoints(div.data)) return;
+        if (div.layout.xaxis.visible === false) redraw(id);  // its first points: axes and markers appear
+        else Plotly.relayout(div, {"xaxis.range": coveredRange(extent.min, extent.max)});
+      });
     }
     function drawAll() {
-      const shapes = markerShapes(markers), annotations = markerAnnotations(markers);
+      // Each trace its own x array: Plotly's extendTraces appends to them.
       const stepTraces = [
-        {x: series.step.t, y: series.step.step_s, name: "step time (mean over ranks)", mode: "lines+markers", marker: {size: 3}, line: {color: cssVar("--accent"), width: 1.6}},
-        {x: series.step.t, y: series.step.step_s_max, name: "slowest rank", mode: "lines", line: {color: cssVar("--suspect"), width: 1, dash: "dot"}},
+        {x: series.step.t.slice(), y: series.step.step_s, name: "step time (mean over ranks)", mode: "lines+markers", marker: {size: 3}, line: {color: cssVar("--accent"), width: 1.6}},
+        {x: series.step.t.slice(), y: series.step.step_s_max, name: "slowest rank", mode: "lines", line: {color: cssVar("--suspect"), width: 1, dash: "dot"}},
       ];
-      Plotly.react("chart-step", stepTraces, baseLayout({title: {text: "Step time (s)", font: {size: 13}, x: 0, y: 0.98}, shapes, xaxis: xaxis(),
-        annotations: annotations.concat(hasPoints(stepTraces) ? [] : [NO_DATA]),
-        yaxis: Object.assign(baseLayout().yaxis, {title: {text: "s / step"}})}), PLOT_CONFIG);
+      plotChart("chart-step", stepTraces, chartLayout("chart-step", hasPoints(stepTraces)), hasPoints(stepTraces));
+      drawGpus();
+      const tokenTraces = modalities.map((m) => ({
+        x: series.tokens.t.slice(), y: series.tokens[m], name: m, stackgroup: "tokens", mode: "lines", line: {width: 0.5, color: modalityColours[m]},
+      }));
+      plotChart("chart-tokens", tokenTraces, chartLayout("chart-tokens", hasPoints(tokenTraces)), hasPoints(tokenTraces));
+    }
+    function drawGpus() {  // the heat strip is redrawn from series as samples arrive
       let gpuTraces;
       if (heat) {
         const times = Array.from(new Set(Object.values(series.gpus).flatMap((t) => t.t))).sort((a, b) => a - b);
@@ -306,42 +410,26 @@
       } else {
         gpuTraces = gpuNames.map((name) => {
           const t = series.gpus[name] || {t: [], util: []};
-          return {x: t.t, y: t.util, name, mode: "lines+markers", marker: {size: 2.5}, line: {width: 1.2}};
+          return {x: t.t.slice(), y: t.util, name, mode: "lines+markers", marker: {size: 2.5}, line: {width: 1.2}};
         });
       }
-      Plotly.react("chart-gpu", gpuTraces, baseLayout({title: {text: "GPU utilisation (%)" + (heat ? " · one row per GPU" : ""), font: {size: 13}, x: 0, y: 0.98}, xaxis: xaxis(),
-        annotations: hasPoints(gpuTraces) ? [] : [NO_DATA],
-        shapes, showlegend: !heat && gpuNames.length <= 8, hovermode: heat ? "closest" : "x unified",
-        yaxis: heat ? {automargin: true, tickfont: {size: 9}} : Object.assign(baseLayout().yaxis, {range: [0, 105], title: {text: "%"}})}), PLOT_CONFIG);
-      const tokenTraces = modalities.map((m) => ({
-        x: series.tokens.t, y: series.tokens[m], name: m, stackgroup: "tokens", mode: "lines", line: {width: 0.5, color: modalityColours[m]},
-      }));
-      Plotly.react("chart-tokens", tokenTraces, baseLayout({title: {text: "Tokens per step, by modality", font: {size: 13}, x: 0, y: 0.98}, shapes, xaxis: xaxis(),
-        annotations: hasPoints(tokenTraces) ? [] : [NO_DATA],
-        yaxis: Object.assign(baseLayout().yaxis, {title: {text: "tokens"}})}), PLOT_CONFIG);
+      plotChart("chart-gpu", gpuTraces, chartLayout("chart-gpu", hasPoints(gpuTraces)), hasPoints(gpuTraces));
     }
     drawAll();
     document.addEventListener("omni:theme", () => {
       // Colours come from CSS variables: redraw with the charts' current data and new colours.
-      const shapes = markerShapes(markers);
-      ["chart-step", "chart-gpu", "chart-tokens"].forEach((id) => {
-        const div = document.getElementById(id);
-        const layout = baseLayout({title: div.layout.title, shapes, showlegend: div.layout.showlegend, hovermode: div.layout.hovermode, xaxis: xaxis(),
-          yaxis: Object.assign(baseLayout().yaxis, {range: div.layout.yaxis.range, title: div.layout.yaxis.title, type: div.layout.yaxis.type})});
-        if (id === "chart-step") layout.annotations = markerAnnotations(markers);
-        if (id === "chart-step") div.data[0].line.color = cssVar("--accent");
-        Plotly.react(div, div.data, layout, PLOT_CONFIG);
-      });
+      document.getElementById("chart-step").data[0].line.color = cssVar("--accent");
+      CHARTS.forEach(redraw);
     });
 
     function appendSteps(records) {
       // Ranks report the same step: one point per step, mean and max over ranks.
       const bySteps = new Map();
       records.forEach((r) => {
-        const key = r.step !== undefined ? r.step : recordTime(r);
-        const agg = bySteps.get(key) || {t: recordTime(r), sum: 0, n: 0, max: 0, step: r.step, tokens: {}};
+        const t = plotTime(recordTime(r)), key = r.step !== undefined ? r.step : t;
+        const agg = bySteps.get(key) || {t, sum: 0, n: 0, max: 0, step: r.step, tokens: {}};
         agg.sum += r.step_s; agg.n += 1; agg.max = Math.max(agg.max, r.step_s);
-        if (recordTime(r) > agg.t) agg.t = recordTime(r);
+        if (t > agg.t) agg.t = t;
         modalities.forEach((m) => { agg.tokens[m] = (agg.tokens[m] || 0) + (r["tokens_" + m] || (r.tokens && r.tokens[m]) || 0); });
         bySteps.set(key, agg);
       });
@@ -353,9 +441,7 @@
       Plotly.extendTraces("chart-tokens", {x: modalities.map(() => xs), y: modalities.map((m) => points.map((p) => p.tokens[m] / p.n))}, [0, 1, 2, 3], MAX_POINTS);
       const last = points[points.length - 1];
       if (last.step !== undefined) $("#job-steps").textContent = last.step;
-      growRange(xs[xs.length - 1]);
-      clearNoData("chart-step");
-      clearNoData("chart-tokens");
+      growRange(xs);
       bump(points.length);
     }
     function appendGpus(samples) {
@@ -366,7 +452,7 @@
         const index = gpuIndex[node + ":" + gpu] !== undefined ? gpuIndex[node + ":" + gpu] : gpuIndex[s.name];
         if (index === undefined) return;
         const name = gpuNames[index];
-        const t = recordTime(s), util = s.util_pct !== undefined ? s.util_pct : s.util;
+        const t = plotTime(recordTime(s)), util = s.util_pct !== undefined ? s.util_pct : s.util;
         if (heat) {  // the heat strip is redrawn from series; line traces are extended in place
           const trace = series.gpus[name] = series.gpus[name] || {t: [], util: []};
           trace.t.push(t); trace.util.push(util);
@@ -376,11 +462,10 @@
       });
       const indices = Object.keys(perTrace).map(Number);
       if (!indices.length) return;
-      if (heat) drawAll();
+      if (heat) drawGpus();
       else Plotly.extendTraces("chart-gpu", {x: indices.map((i) => perTrace[i].x), y: indices.map((i) => perTrace[i].y)}, indices, MAX_POINTS);
       bump(indices.reduce((n, i) => n + perTrace[i].x.length, 0));
-      growRange(Math.max(...indices.map((i) => perTrace[i].x[perTrace[i].x.length - 1])));
-      clearNoData("chart-gpu");
+      growRange(indices.flatMap((i) => perTrace[i].x));
     }
     live.subscribe("job", data.job_id);
     ["step_records", "steps"].forEach((name) => live.on(name, (payloads) => appendSteps(payloads.flatMap(asRecords))));
@@ -392,16 +477,12 @@
       const log = $("#event-log");
       $$(".empty", log).forEach((n) => n.remove());
       const li = el("li", {class: "new", "data-event-id": e.id}, [
-        el("span", {class: "when", text: fmtTime(e.at)}),
+        el("span", {class: "when"}, [timeEl(e.at)]),
         el("span", {}, [el("span", {class: "kind kind-" + e.kind, text: e.kind}), " " + (e.sentence || e.text)]),
       ]);
       log.prepend(li);
-      markers.push({t: e.at, kind: e.kind, label: e.kind_label, text: e.text});
-      const shapes = markerShapes(markers);
-      const stepDiv = document.getElementById("chart-step");
-      Plotly.relayout(stepDiv, {shapes, annotations: markerAnnotations(markers).concat(hasPoints(stepDiv.data) ? [] : [NO_DATA])});
-      Plotly.relayout("chart-gpu", {shapes});
-      Plotly.relayout("chart-tokens", {shapes});
+      markers.push({t: e.at, kind: e.kind, label: e.kind_label, text: e.sentence || e.text});
+      CHARTS.forEach(redraw);
       $("#job-state").replaceChildren(statePill(job.state, job.state_label));
       $("#job-dp").textContent = job.dp;
       $("#job-accum").textContent = job.accum_steps;
@@ -410,14 +491,36 @@
       $("#job-bar").style.width = (100 * job.progress).toFixed(1) + "%";
       const why = $("#why-pending");
       if (why && !["pending", "preempted"].includes(job.state)) why.hidden = true;
-      if (e.kind === "checkpoint" || (e.outcome && e.outcome.checkpoint_step !== undefined)) {
-        const body = $("#checkpoints");
-        $$(".empty", body).forEach((n) => n.remove());
-        const o = e.outcome || {};
-        body.prepend(el("tr", {}, [el("td", {text: fmtTime(e.at)}), el("td", {class: "num", text: String(o.checkpoint_step ?? o.step ?? "—")}),
-          el("td", {class: "num", text: o.save_s !== undefined ? Number(o.save_s).toFixed(1) + " s" : "—"})]));
-      }
+      const saved = checkpointOf(e);
+      if (saved) noteCheckpoint(saved);
+      if (job.last_checkpoint_step > 0) noteCheckpoint({step: job.last_checkpoint_step, at: job.last_checkpoint_at || null, save_s: null});
     }));
+  }
+
+  // The job page's checkpoints: one row per step, newest first, and the card above is the first
+  // row (the rules of jobs.live_data.checkpoint_of and job_checkpoints).
+  function checkpointOf(e) {
+    const o = e.outcome || {};
+    let step = o.checkpoint_step;
+    if ((step === undefined || step === null) && ["checkpoint", "complete"].includes(e.kind)) step = o.step;
+    if (!Number.isInteger(step) || step <= 0) return null;
+    return {step, at: e.at, save_s: typeof o.save_s === "number" ? o.save_s : null};
+  }
+  const savedIn = (save_s) => (save_s === null ? "—" : save_s.toFixed(1) + " s");
+  function noteCheckpoint(c) {
+    const body = $("#checkpoints");
+    let row = $("tr[data-step='" + c.step + "']", body);
+    if (row) {  // the same checkpoint again (a resume names the step it loaded): one row
+      if (c.save_s !== null && row.cells[2].textContent === "—") row.cells[2].textContent = savedIn(c.save_s);
+      return;
+    }
+    $$(".empty", body).forEach((n) => n.remove());
+    row = el("tr", {"data-step": c.step}, [el("td", {}, [c.at ? timeEl(c.at) : "—"]), el("td", {class: "num", text: String(c.step)}),
+      el("td", {class: "num", text: savedIn(c.save_s)})]);
+    body.insertBefore(row, $$("tr[data-step]", body).find((r) => Number(r.dataset.step) < c.step) || null);
+    const top = $("tr[data-step]", body), at = $("time", top), card = $("#last-checkpoint");
+    $("[data-f=step]", card).textContent = top.dataset.step;
+    $("[data-f=at]", card).replaceChildren(...(at ? [", saved ", timeEl(at.getAttribute("datetime"), "time", "also")] : []));
   }
 
   // -- console ---------------------------------------------------------------------------------
@@ -469,55 +572,131 @@
       if (button === selected) showNode(button);
     }));
 
-    // The queue: a job that stops waiting is struck through until the next load.
-    live.on("job", (payloads) => payloads.forEach((job) => {
-      const row = $("#queue tr[data-job-id='" + job.id + "']");
-      if (!row) return;
-      row.cells[2].replaceChildren(statePill(job.state, job.state_label));
-      if (job.pending_reason) row.cells[5].textContent = job.pending_reason;
-      row.style.opacity = ["pending", "preempted"].includes(job.state) ? "" : "0.45";
-      flash(row);
-    }));
-
-    function drawCharts() {
-      const gantt = data.gantt;
-      const names = gantt.map((r) => r.name + " · " + r.gpus + " GPUs");
-      const traces = [];
-      gantt.forEach((r, i) => {
-        r.windows.forEach(([s, e]) => traces.push({
-          type: "scatter", mode: "lines", x: [s, e], y: [names[i], names[i]], line: {color: cssVar("--critical"), width: 18},
-          name: "reserved window", legendgroup: "w", showlegend: false, hovertemplate: r.name + "<br>" + fmtTime(s) + " → " + fmtTime(e) + "<extra>" + r.job + "</extra>",
-        }));
-        r.loans.forEach((loan) => traces.push({
-          type: "scatter", mode: "lines", x: [loan.since, loan.until], y: [names[i], names[i]], line: {color: cssVar("--borrowed"), width: 7},
-          name: "loan", legendgroup: "l", showlegend: false, hovertemplate: loan.gpus + " GPUs lent to " + loan.job + " until " + fmtTime(loan.until) + "<extra></extra>",
-        }));
-      });
-      traces.push({type: "scatter", mode: "lines", x: [null], y: [null], line: {color: cssVar("--critical"), width: 10}, name: "reserved window"});
-      traces.push({type: "scatter", mode: "lines", x: [null], y: [null], line: {color: cssVar("--borrowed"), width: 6}, name: "GPUs on loan"});
-      const height = Math.max(140, 70 + 38 * gantt.length);
-      $("#chart-gantt").style.height = height + "px";
-      Plotly.react("chart-gantt", traces, baseLayout({
-        hovermode: "closest", margin: {l: 190, r: 16, t: 40, b: 44},
-        legend: {orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom", font: {size: 11}},
-        xaxis: Object.assign(baseLayout().xaxis, {range: [data.since, data.until]}),
-        yaxis: {type: "category", automargin: true, gridcolor: cssVar("--line"), autorange: "reversed"},
-        shapes: [{type: "line", xref: "x", yref: "paper", x0: data.now, x1: data.now, y0: 0, y1: 1, line: {color: cssVar("--fg"), width: 1, dash: "dot"}}],
-        annotations: [{x: data.now, xref: "x", y: 1, yref: "paper", yanchor: "bottom", text: "now", showarrow: false, font: {size: 10}}],
-      }), PLOT_CONFIG);
-      const u = data.utilisation;
-      Plotly.react("chart-util", [
-        {x: u.t, y: u.allocated, name: "allocated", mode: "lines", line: {shape: "hv", color: cssVar("--regular"), width: 2}},
-        {x: u.used_t, y: u.used, name: "used (utilisation × GPUs)", mode: "lines", line: {color: cssVar("--healthy"), width: 1.5}},
-        {x: u.t, y: u.harvested, name: "harvested (on loan)", mode: "lines", fill: "tozeroy", line: {shape: "hv", color: cssVar("--borrowed"), width: 1.5}},
-        {x: [u.t[0], u.t[u.t.length - 1]], y: [data.gpus_total, data.gpus_total], name: "capacity", mode: "lines", line: {color: cssVar("--faint"), dash: "dot", width: 1}},
-      ], baseLayout({yaxis: Object.assign(baseLayout().yaxis, {title: {text: "GPUs"}})}), PLOT_CONFIG);
+    // The header counts, health and planner pills, planner line, queue and a utilisation point:
+    // one cluster_summary after every change (jobs.live_data.cluster_summary), cut for this viewer.
+    function queueRow(item) {  // the row templates/jobs/console.html renders
+      const name = item.visibility === "summary" ? el("strong", {title: "details are visible to its owner", text: item.name})
+        : el("a", {href: "/jobs/" + item.id + "/"}, [el("strong", {text: item.name})]);
+      return el("tr", {"data-job-id": item.id}, [
+        el("td", {class: "nowrap"}, [name, el("div", {class: "faint small", text: item.owner})]),
+        el("td", {}, [el("span", {class: "pill class-" + item.priority, text: item.priority_label})]),
+        el("td", {}, [statePill(item.state, item.state_label)]),
+        el("td", {class: "num", text: String(item.gpus_wanted)}), el("td", {text: humanDuration(item.waiting_s)}),
+        el("td", {class: "wrap", text: item.why || ""}),
+      ]);
     }
+    function showSummary(s) {
+      Object.entries({nodes: s.nodes, gpus_total: s.gpus_total, gpus_allocated: s.gpus_allocated, gpus_borrowed: s.gpus_borrowed})
+        .forEach(([name, n]) => { $("#cluster-counts [data-count=" + name + "]").textContent = String(n); });
+      const pills = s.health.map((h) => el("span", {class: "pill health-" + h.state, text: h.count + " " + h.state}));
+      if (s.planner.paused) pills.push(el("span", {class: "pill health-failed", text: "planner paused"}));
+      if (s.planner.dry_run) pills.push(el("span", {class: "pill health-suspect", text: "dry run"}));
+      $("#cluster-pills").replaceChildren(...pills);
+      const run = s.planner.last_run;  // its relative time keeps ticking with every other <time>
+      $("#planner-last").replaceChildren(...(run ? ["last pass ", timeEl(run.started_at, "time", "only"),
+        (run.duration_ms ? ", " + Math.round(run.duration_ms) + " ms" : "") + ", " + run.actions + " actions"] : []));
+      $("#queue-count").textContent = String(s.queue.length);
+      $("#queue tbody").replaceChildren(...(s.queue.length ? s.queue.map(queueRow)
+        : [el("tr", {}, [el("td", {colspan: "6", class: "muted", text: "Nothing is waiting."})])]));
+      const u = data.utilisation;  // allocated and harvested are steps: a point at each summary
+      u.t.push(s.at); u.allocated.push(s.gpus_allocated); u.harvested.push(s.gpus_borrowed);
+      if (s.used) { u.used_t.push(s.used.t); u.used.push(s.used.gpus); }
+      data.gpus_total = s.gpus_total;
+      drawUtilisation();
+    }
+    live.on("cluster_summary", (payloads) => showSummary(payloads[payloads.length - 1]));
+
+    function drawGantt() {
+      // One row per reservation (its guaranteed windows), and beneath it one row per loan out of
+      // it (borrower, GPUs, until when): horizontal bars from start to end, in local time.
+      const rows = [], windows = {base: [], x: [], y: [], hovertext: []}, loans = {base: [], x: [], y: [], hovertext: []};
+      const bar = (into, y, start, end, text) => {
+        const from = plotTime(start);
+        into.base.push(from); into.x.push(plotTime(end) - from); into.y.push(y); into.hovertext.push(text);
+      };
+      data.gantt.forEach((r) => {
+        const y = rows.push(r.name + " · " + r.gpus + " GPUs") - 1;
+        r.windows.forEach(([s, e]) => bar(windows, y, s, e, r.name + " (for " + r.job + "): " + r.gpus + " GPUs guaranteed<br>" + localTime(s) + " → " + localTime(e)));
+        r.loans.forEach((loan) => {
+          const plural = loan.gpus === 1 ? "" : "s";
+          const ly = rows.push("↳ " + loan.job + " · " + loan.gpus + " on loan") - 1;
+          bar(loans, ly, loan.since, loan.until, loan.job + " borrows " + loan.gpus + " GPU" + plural + " of " + r.name +
+            "<br>since " + localTime(loan.since, "time") + ", until " + localTime(loan.until, "time") + " (" + relativeText(loan.until) + ")");
+        });
+      });
+      const traces = [
+        Object.assign({type: "bar", orientation: "h", name: "reserved window", marker: {color: cssVar("--critical")}, width: 0.62}, windows),
+        Object.assign({type: "bar", orientation: "h", name: "GPUs on loan", marker: {color: cssVar("--borrowed")}, width: 0.5,
+          showlegend: loans.y.length > 0}, loans),
+      ].map((t) => Object.assign(t, {hovertemplate: "%{hovertext}<extra></extra>"}));
+      $("#chart-gantt").style.height = Math.max(140, 76 + 30 * rows.length) + "px";
+      const now = plotTime(data.now);
+      const layout = baseLayout({
+        hovermode: "closest", barmode: "overlay", margin: {l: 200, r: 16, t: 40, b: 44},
+        legend: {orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom", font: {size: 11}},
+        xaxis: Object.assign(baseLayout().xaxis, {range: [plotTime(data.since), plotTime(data.until)]}),
+        yaxis: {tickvals: rows.map((_, i) => i), ticktext: rows, automargin: true, gridcolor: cssVar("--line"), autorange: "reversed", zeroline: false},
+        shapes: [{type: "line", xref: "x", yref: "paper", x0: now, x1: now, y0: 0, y1: 1, line: {color: cssVar("--fg"), width: 1, dash: "dot"}}],
+        annotations: [{x: now, xref: "x", y: 1, yref: "paper", yanchor: "bottom", text: "now", showarrow: false, font: {size: 10}}],
+      });
+      plotChart("chart-gantt", traces, layout, rows.length > 0);
+    }
+    function drawUtilisation() {
+      const u = data.utilisation;
+      const t = u.t.map(plotTime), usedT = u.used_t.map(plotTime);
+      // The walk back through the log starts and ends at synthetic points (24 h ago, now): the data
+      // covers from the first change it found (or the first utilisation sample) to now.
+      const real = t.slice(1, -1).concat(usedT);
+      const start = real.length ? real.reduce((a, b) => Math.min(a, b)) : t[0], end = t[t.length - 1];
+      const empty = !real.length && !u.allocated.some((v) => v > 0);
+      const layout = baseLayout({xaxis: Object.assign(baseLayout().xaxis, {range: coveredRange(start, end)}),
+        yaxis: Object.assign(baseLayout().yaxis, {title: {text: "GPUs"}})});
+      plotChart("chart-util", [
+        {x: t, y: u.allocated, name: "allocated", mode: "lines", line: {shape: "hv", color: cssVar("--regular"), width: 2}},
+        {x: usedT, y: u.used, name: "used (utilisation × GPUs)", mode: "lines", line: {color: cssVar("--healthy"), width: 1.5}},
+        {x: t, y: u.harvested, name: "harvested (on loan)", mode: "lines", fill: "tozeroy", line: {shape: "hv", color: cssVar("--borrowed"), width: 1.5}},
+        {x: [t[0], end], y: [data.gpus_total, data.gpus_total], name: "capacity", mode: "lines", line: {color: cssVar("--faint"), dash: "dot", width: 1}},
+      ], layout, !empty);
+    }
+    function drawCharts() { drawGantt(); drawUtilisation(); }
     drawCharts();
     document.addEventListener("omni:theme", drawCharts);
   }
 
   // -- audit -----------------------------------------------------------------------------------
+  function change(before, after) {  // jobs.views._change: "4 → 2", "→ 8", "4 →", ""
+    const none = (v) => v === null || v === undefined;
+    if (none(before) && none(after)) return "";
+    if (none(before)) return "→ " + after;
+    if (none(after)) return before + " →";
+    return before === after ? String(before) : before + " → " + after;
+  }
+  // The hash-chain banner: the server checks each transaction's new rows against their hashes
+  // and the row before them (jobs.live_events.chain_check); rows that link to the last one this
+  // page verified extend it, in the banner's words (templates/jobs/audit.html).
+  function updateChain(c) {
+    const banner = $("#chain-status");
+    if (!banner || banner.dataset.state === "bad") return;  // a break stays until it is explained
+    const lastId = Number(banner.dataset.lastId), checked = Number(banner.dataset.checked);
+    const total = Number(banner.dataset.total) + c.rows, linked = c.after_id === lastId;
+    const show = (state, icon, title, text) => {
+      banner.className = "callout " + state + " chain";
+      banner.dataset.state = state;
+      banner.replaceChildren(el("span", {class: "icon", text: icon}), el("span", {}, [el("strong", {text: title}), text]));
+      flash(banner);
+    };
+    banner.dataset.total = String(total);
+    if (c.bad) {
+      show("bad", "✗", "Hash chain broken at row " + c.bad.id, c.bad.problem + ". Rows up to " + (linked ? c.last_good_id : lastId) +
+        " verify; nothing after row " + c.bad.id + " can be trusted until it is explained.");
+    } else if (banner.dataset.state === "ok" && linked) {
+      banner.dataset.lastId = String(c.last_id);
+      banner.dataset.checked = String(checked + c.rows);
+      show("ok", "✓", "Hash chain verified", "all " + (checked + c.rows) + " rows, up to row " + c.last_id + ", match their hashes and links.");
+    } else {
+      show("warn", "…", "Verified up to row " + lastId, "(" + checked + " of " + total + " rows); the rest is checked on the next loads.");
+    }
+  }
   function auditPage(options) {
     const table = $("#audit-table tbody");
     table.addEventListener("click", (event) => {
@@ -528,6 +707,7 @@
       row.setAttribute("aria-expanded", String(!detail.hidden));
     });
     const live = new LiveSocket().subscribe("audit");
+    live.on("chain", (payloads) => payloads.forEach(updateChain));
     let unseen = 0;
     live.on("audit", (payloads) => payloads.forEach((e) => {
       if (!options.live) {
@@ -538,29 +718,47 @@
         return;
       }
       $$(".empty", table).forEach((n) => n.remove());
-      const gpus = (e.gpus_before !== null || e.gpus_after !== null) ? (e.gpus_before ?? "·") + " → " + (e.gpus_after ?? "·") : "";
-      const dp = (e.dp_before || e.dp_after) ? (e.dp_before ?? "·") + "×" + (e.accum_before ?? "·") + " → " + (e.dp_after ?? "·") + "×" + (e.accum_after ?? "·") : "";
-      const row = el("tr", {class: "expandable flash", "data-event-id": e.id}, [
-        el("td", {class: "num faint", text: e.id}), el("td", {class: "num", text: fmtFull(e.at)}),
+      // The same cells and detail as the server's rows (templates/jobs/audit.html, views._change).
+      const dash = (v) => (v === null || v === undefined || v === "" ? "—" : String(v));
+      const layout = (dp, accum) => (dp === null && accum === null ? null : (dp ?? "·") + "×" + (accum ?? "·"));
+      const nodes = (names) => (names && names.length ? names.join(", ") : "—");
+      const pair = (label, before, after, cls) => el("tr", {}, [el("th", {text: label}), el("td", {class: cls, text: before}), el("td", {class: cls, text: after})]);
+      const row = el("tr", {class: "expandable flash", "data-event-id": e.id, "aria-expanded": "false"}, [
+        el("td", {class: "num faint", text: e.id}), el("td", {class: "num", style: "white-space: nowrap"}, [timeEl(e.at, "full")]),
         el("td", {}, [el("span", {class: "kind kind-" + e.kind, text: e.kind})]), el("td", {text: e.job || "—"}),
-        el("td", {class: "mono small", text: (e.nodes_after.length ? e.nodes_after : e.nodes_before).join(", ")}),
-        el("td", {text: e.actor}), el("td", {class: "num", text: gpus}), el("td", {class: "num", text: dp}), el("td", {class: "wrap", text: e.sentence || e.text}),
+        el("td", {class: "mono small nowrap", text: (e.nodes_after.length ? e.nodes_after : e.nodes_before).join(", ")}),
+        el("td", {text: e.actor}), el("td", {class: "num nowrap", text: change(e.gpus_before, e.gpus_after)}),
+        el("td", {class: "num nowrap", text: change(layout(e.dp_before, e.accum_before), layout(e.dp_after, e.accum_after))}),
+        el("td", {class: "wrap", text: e.sentence || e.text}),
       ]);
+      const hasOutcome = isObject(e.outcome) && Object.keys(e.outcome).length > 0;
       const detail = el("tr", {class: "detail", hidden: ""}, [el("td", {colspan: "9"}, [
         el("div", {class: "grid-2"}, [
-          el("div", {}, [el("h3", {text: "Before → after"}), el("pre", {text: JSON.stringify({
-            nodes: [e.nodes_before, e.nodes_after], gpus: [e.gpus_before, e.gpus_after], dp: [e.dp_before, e.dp_after],
-            accum: [e.accum_before, e.accum_after], global_batch: e.global_batch}, null, 1)})]),
-          el("div", {}, [el("h3", {text: "Rule and inputs"}), el("span", {class: "kind", text: e.rule || "—"}),
-            el("pre", {text: JSON.stringify((e.reason || {}).inputs || {}, null, 2)}), el("h3", {text: "Outcome"}),
-            el("pre", {text: JSON.stringify(e.outcome || {}, null, 2)})]),
+          el("div", {}, [el("h3", {text: "Before → after"}), el("table", {class: "beforeafter"}, [
+            el("tr", {}, [el("th"), el("th", {text: "before"}), el("th", {text: "after"})]),
+            pair("nodes", nodes(e.nodes_before), nodes(e.nodes_after), "mono"), pair("GPUs", dash(e.gpus_before), dash(e.gpus_after)),
+            pair("DP", dash(e.dp_before), dash(e.dp_after)), pair("accumulation", dash(e.accum_before), dash(e.accum_after)),
+            el("tr", {}, [el("th", {text: "global batch"}), el("td", {colspan: "2", text: dash(e.global_batch)})]),
+          ]), el("h3", {text: "Who"}), el("dl", {class: "kv"}, [
+            el("dt", {text: "actor"}), el("dd", {text: e.actor}),
+            el("dt", {text: "planner run"}), el("dd", {class: "mono"}, [e.planner_run ? el("a", {href: "?planner_run=" + e.planner_run, text: e.planner_run}) : "—"]),
+            el("dt", {text: "refers to"}), el("dd", {text: e.refers_to ? "row " + e.refers_to : "—"}),
+            el("dt", {text: "hash"}), el("dd", {class: "mono small", text: (e.hash || "").slice(0, 23) + "…"}),
+          ])]),
+          el("div", {}, [el("h3", {text: "Rule and inputs"}), el("div", {}, [el("span", {class: "kind", text: e.rule || "—"})]),
+            factsTable((e.reason || {}).inputs), el("h3", {text: "Outcome"}),
+            hasOutcome ? factsTable(e.outcome) : el("p", {class: "muted small", text: "No outcome recorded yet."}),
+            el("details", {class: "raw"}, [el("summary", {text: "Raw JSON (reason and outcome as stored)"}),
+              el("pre", {text: JSON.stringify({reason: e.reason, outcome: e.outcome}, null, 2)})])]),
         ]),
       ])]);
       table.prepend(row, detail);
     }));
   }
 
-  window.Omni = {dashboard, jobPage, consolePage, auditPage, confirmDialog, LiveSocket};
+  window.Omni = {dashboard, jobPage, consolePage, auditPage, confirmDialog, LiveSocket, upgradeTimes};
   initTheme();
   initConfirmForms();
+  upgradeTimes(document);
+  setInterval(() => { const now = Date.now(); $$("time[datetime][data-relative]").forEach((n) => renderTime(n, now)); }, 30000);
 })();

@@ -133,9 +133,9 @@ def open_as(browser, asgi_server):
     """A fresh browser context signed in as ``user`` through the login form."""
     contexts = []
 
-    def open_as(user, password: str | None = None, *, dark: bool = False):
+    def open_as(user, password: str | None = None, *, dark: bool = False, timezone_id: str | None = None):
         context = browser.new_context(viewport={"width": 1280, "height": 860}, accept_downloads=True,
-                                      color_scheme="dark" if dark else "light")
+                                      color_scheme="dark" if dark else "light", timezone_id=timezone_id)
         contexts.append(context)
         page = context.new_page()
         page.set_default_timeout(10_000)
@@ -170,6 +170,25 @@ def in_thread(fn):
     if "error" in result:
         raise result["error"]
     return result.get("value")
+
+
+ZONE = "Asia/Kolkata"  # UTC+5:30 all year: local time never reads as UTC
+# A chart's axis: visible or not, its notes, the span of its x-range and the range as drawn
+# (Plotly's local wall-clock strings).
+CHART_STATE = """(() => {
+  const layout = document.getElementById("ID").layout, r = layout.xaxis.range || [0, 0];
+  const ms = (v) => (typeof v === "number" ? v : Date.parse(String(v).replace(" ", "T")));
+  return Object.assign({visible: layout.xaxis.visible, notes: (layout.annotations || []).filter((a) => a.name === "no-data")
+    .map((a) => a.text)}, layout.xaxis.visible === false ? {} : {span_ms: ms(r[1]) - ms(r[0]),
+    drawn: document.getElementById("ID")._fullLayout.xaxis.range});
+})()"""
+
+
+def local_text(iso: str, fmt: str = "%b %-d %H:%M") -> str:
+    """What a <time> should read in ZONE."""
+    from zoneinfo import ZoneInfo
+
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(ZoneInfo(ZONE)).strftime(fmt)
 
 
 def shot(page, name: str) -> None:
@@ -257,9 +276,11 @@ def test_anonymous_visitor_is_sent_to_login(browser, asgi_server):
 
 def test_job_page_draws_points_written_by_the_test_within_2_s(open_as, asgi_server, researcher, running_job):
     job, nodes, token = running_job
-    page = open_as(researcher)
+    page = open_as(researcher, timezone_id=ZONE)
     page.goto(f"{asgi_server}/jobs/{job.pk}/")
     wait_live(page)
+    # No data yet: each chart says so, with no empty axes.
+    assert page.evaluate(CHART_STATE.replace("ID", "chart-step")) == {"visible": False, "notes": ["No data yet"]}
     now = time.time()
     post_json(f"{asgi_server}/api/telemetry/gpu", {"source": "browser-test", "seq": 1, "samples": [
         {"gpu": g, "at": now - 1 + 0.1 * g, "util_pct": 70.0 + g, "mem_used_bytes": 10**9} for g in (0, 1)
@@ -276,6 +297,16 @@ def test_job_page_draws_points_written_by_the_test_within_2_s(open_as, asgi_serv
     assert time.monotonic() - started < 2.0
     step = page.evaluate("document.getElementById('chart-step').data[0]")
     assert step["y"] == [pytest.approx(1.95)]
+    # On an axis spanning the data (the first GPU sample to the step, 30 s margins), not 6 h, and
+    # drawn in the browser's local time (UTC+5:30 here: Plotly shows its range as local wall-clock).
+    state = page.evaluate(CHART_STATE.replace("ID", "chart-step"))
+    assert state["visible"] is not False and state["span_ms"] < 5 * 60 * 1000, state
+    # Out of its short "No data yet" box (Plotly resizes on its next frame).
+    page.wait_for_function("document.getElementById('chart-step')._fullLayout.height > 200", timeout=2000)
+    from zoneinfo import ZoneInfo
+
+    start = datetime.fromisoformat(state["drawn"][0].replace(" ", "T")).replace(tzinfo=ZoneInfo(ZONE))
+    assert start.timestamp() == pytest.approx(now - 1 - 30, abs=2)
     # Plotly drew them: SVG traces exist in both charts, not just data in memory.
     assert page.locator("#chart-step .scatterlayer .trace").count() >= 1
     assert page.locator("#chart-gpu .scatterlayer .trace").count() >= 1
@@ -284,7 +315,7 @@ def test_job_page_draws_points_written_by_the_test_within_2_s(open_as, asgi_serv
 
 
 def test_preempt_event_appears_in_the_live_log(open_as, asgi_server, researcher, running_job):
-    job, nodes, _ = running_job
+    job, nodes, token = running_job
     page = open_as(researcher)
     page.goto(f"{asgi_server}/jobs/{job.pk}/")
     wait_live(page)
@@ -304,7 +335,11 @@ def test_preempt_event_appears_in_the_live_log(open_as, asgi_server, researcher,
     entry = page.locator("#event-log li", has_text="Preempted to return GPUs reserved for omni-7b")
     entry.wait_for(timeout=2000)
     assert "checkpoint at step 4200 saved in 21 s" in entry.inner_text()
-    assert page.evaluate("document.getElementById('chart-step').layout.shapes.length") >= 2
+    # No step data yet: "No data yet", no axis to mark; the first points bring the markers (place, preempt).
+    assert page.evaluate(CHART_STATE.replace("ID", "chart-step"))["notes"] == ["No data yet"]
+    post_json(f"{asgi_server}/api/telemetry/steps", {"source": "browser-test-markers", "seq": 1, "samples": [
+        {"job": job.pk, "rank": 0, "step": 7, "at": time.time() - 0.5, "step_s": 1.5}]}, nodes[0], token)
+    page.wait_for_function("document.getElementById('chart-step').layout.shapes.length >= 2", timeout=2000)
 
 
 def test_operator_drains_a_node_and_the_audit_page_shows_it(open_as, asgi_server, operator, running_job):
@@ -326,7 +361,8 @@ def test_operator_drains_a_node_and_the_audit_page_shows_it(open_as, asgi_server
     row = page.locator("#audit-table tr.expandable").first
     assert f"olive drained {nodes[1].name}; running there: vlm-live." in row.inner_text()
     row.click()
-    assert '"to": "draining"' in page.locator("#audit-table tr.detail").first.inner_text()
+    inputs = page.locator("#audit-table tr.detail").first.locator("table.fact-table")
+    assert "to\tdraining" in inputs.inner_text()
 
 
 def test_auditor_gets_403_on_drain(open_as, asgi_server, auditor, running_job):
@@ -360,11 +396,103 @@ def test_csv_export_of_n_rows_downloads_n_rows(open_as, asgi_server, auditor, ma
     assert len(json_rows) == n
 
 
+def _reclaim_row(job: Job, lead_s: float) -> int:
+    """A planner-shaped audit row: an epoch deadline, units, nested facts, an outcome."""
+    with transaction.atomic():
+        return record_event(
+            EventKind.RECLAIM, job=job, actor="planner", gpus_before=4, gpus_after=0,
+            reason={"rule": "reclaim", "text": f"Reclaimed {job.name}'s loan ahead of omni-7b's window.",
+                    "inputs": {"deadline_s": time.time() + 600, "graceful": True, "lead_time_s": lead_s,
+                               "pool": {"reservation": "omni-7b-window", "gpus": 4}, "nodes": ["r0s0n0", "r0s0n1"]}},
+            outcome={"kind": "preempt", "ok": True, "checkpoint_step": 40, "save_s": 2.1, "steps_lost": 0},
+        ).pk
+
+
+def test_times_read_local_with_utc_on_hover_and_audit_facts_are_tables(open_as, asgi_server, researcher, auditor,
+                                                                      running_job):
+    job, _, _ = running_job
+    first = in_thread(lambda: _reclaim_row(job, 34.56))
+    page = open_as(researcher, timezone_id=ZONE)
+    page.goto(f"{asgi_server}/jobs/{job.pk}/")
+    when = page.locator("#event-log time").first
+    iso = when.get_attribute("datetime")
+    assert when.inner_text() == local_text(iso)
+    assert when.get_attribute("title") == iso[:19].replace("T", " ") + " UTC"
+    # The checkpoint card is the table's newest row.
+    assert page.locator("#last-checkpoint [data-f=step]").inner_text() == "40"
+    assert page.locator("#checkpoints tr[data-step]").count() == 1
+    shot(page, "job-page-local-times")
+
+    page = open_as(auditor, timezone_id=ZONE)
+    page.goto(f"{asgi_server}/audit/")
+    wait_live(page)
+    row = page.locator(f"#audit-table tr[data-event-id='{first}']")
+    assert row.locator("time").inner_text() == local_text(row.locator("time").get_attribute("datetime"),
+                                                          "%Y-%m-%d %H:%M:%S")
+    row.click()
+    detail = page.locator(f"#audit-table tr[data-event-id='{first}'] + tr.detail")
+    facts = detail.locator("table.fact-table").first.inner_text()
+    assert "graceful\tyes" in facts and "lead_time_s\t34.56 s" in facts and "nodes\tr0s0n0, r0s0n1" in facts
+    deadline = detail.locator("table.fact-table").first.locator("time")
+    assert "deadline_s\t" + local_text(deadline.get_attribute("datetime"), "%Y-%m-%d %H:%M:%S") in facts
+    assert detail.locator("details.raw").evaluate("d => d.open") is False
+    shot(page, "audit-facts")
+
+    # A row appended live reads exactly like the same row after a reload.
+    second = in_thread(lambda: _reclaim_row(job, 12.0))
+    live_row = page.locator(f"#audit-table tr[data-event-id='{second}']")
+    live_row.wait_for(timeout=2000)
+    live_row.click()
+    live_detail = page.locator(f"#audit-table tr[data-event-id='{second}'] + tr.detail")
+    live_facts = [t.inner_text() for t in live_detail.locator("table").all()]
+    page.reload()
+    page.locator(f"#audit-table tr[data-event-id='{second}']").click()
+    reloaded = [t.inner_text() for t in page.locator(f"#audit-table tr[data-event-id='{second}'] + tr.detail table").all()]
+    assert live_facts == reloaded and len(reloaded) == 3  # before/after, inputs, outcome
+
+
+def test_the_reservations_timeline_draws_each_loan_beneath_its_reservation(open_as, asgi_server, operator, researcher,
+                                                                          make_job, make_nodes):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    def build() -> None:
+        nodes = make_nodes(racks=1, switches=1, nodes=2, gpus=4)
+        critical = make_job(owner=operator, name="omni-7b", priority="critical", dp=4, dp_min=4, dp_max=4)
+        reservation = actions.create_reservation(
+            operator, name="omni-7b-window", job=critical, gpus=4, start_at=timezone.now() + timedelta(minutes=20),
+            period_s=3600, active_s=1200)
+        borrower = make_job(name="ablation-lr", priority="best_effort", dp=2, dp_min=1, dp_max=2)
+        actions.place_job(borrower, [(nodes[1], 0), (nodes[1], 1)], actor="planner", borrowed_from=reservation,
+                          loan_until=timezone.now() + timedelta(minutes=19),
+                          reason={"rule": "lend", "text": "Lent omni-7b-window's idle GPUs to ablation-lr.", "inputs": {}})
+
+    in_thread(build)
+    page = open_as(operator, timezone_id=ZONE)
+    page.goto(f"{asgi_server}/console/")
+    gantt = page.evaluate("(() => { const d = document.getElementById('chart-gantt');"
+                          " return {data: d.data.map((t) => ({name: t.name, y: t.y, text: t.hovertext})),"
+                          " ticks: d.layout.yaxis.ticktext}; })()")
+    windows, loans = gantt["data"]
+    assert gantt["ticks"] == ["omni-7b-window · 4 GPUs", "↳ ablation-lr · 2 on loan"]
+    assert windows["name"] == "reserved window" and set(windows["y"]) == {0}
+    assert loans["name"] == "GPUs on loan" and loans["y"] == [1]
+    assert loans["text"][0].startswith("ablation-lr borrows 2 GPUs of omni-7b-window") and "(in 18 min)" in loans["text"][0]
+    bars = page.locator("#chart-gantt .barlayer .trace")
+    assert bars.count() == 2 and bars.nth(1).locator(".point").count() == 1
+    box = bars.nth(1).locator(".point path").first.bounding_box()  # Plotly's drag layer is on top
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("document.querySelector('#chart-gantt .hoverlayer').textContent"
+                           ".includes('ablation-lr borrows 2 GPUs')", timeout=2000)
+    shot(page, "console-loan")
+
+
 def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, django_user_model):
     """Not an assertion-heavy test: a believable cluster, pictures of every page, light and dark."""
     from django.core.management import call_command
 
-    from bench.live import seed_history
+    from bench.live import backdate_holding, seed_history
     from telemetry.ingest import ingest_gpu_batch, ingest_step_batch
 
     def seed() -> tuple[Job, Job]:
@@ -375,6 +503,9 @@ def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, djang
         seed_history(big, list(Node.objects.filter(allocations__job=big).distinct()), 2,
                      datetime.fromtimestamp(now, tz=UTC))
         for job in Job.objects.filter(state="running").exclude(pk=big.pk):
+            # The seeded jobs have held their GPUs for the half hour of history written below
+            # (a job's charts show each GPU only from when it took it).
+            backdate_holding(job, datetime.fromtimestamp(now - 1800, tz=UTC))
             held = {}
             for allocation in job.allocations.select_related("node"):
                 held.setdefault(allocation.node, []).append(allocation.gpu_index)
@@ -392,6 +523,17 @@ def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, djang
                       "tokens": {"text": 800 + 10 * (i % 9), "image": 2100 + 40 * (i % 5), "video": 500 * (i % 3)}}
                      for i in range(90)]
             ingest_step_batch(node, {"source": f"shots-steps-{job.pk}", "seq": 0, "samples": steps})
+        # A loan out of omni-7b's reservation, for the reservations timeline.
+        from jobs.models import Reservation
+
+        hourly = Reservation.objects.get(name="omni-7b-hourly")
+        borrower = Job.objects.get(name="ablation-vit")
+        free = [(node, i) for node in Node.objects.order_by("-name") for i in range(node.gpu_count)
+                if not node.allocations.filter(gpu_index=i).exists()][: borrower.replica_gpus * 2]
+        actions.place_job(borrower, free, actor="planner", borrowed_from=hourly,
+                          loan_until=hourly.next_window_start(datetime.fromtimestamp(now, tz=UTC)),
+                          reason={"rule": "lend", "text": "Lent 8 of omni-7b-hourly's idle GPUs to ablation-vit until "
+                                  "its next window.", "inputs": {"reservation": "omni-7b-hourly", "gpus": 8}})
         job = Job.objects.get(name="sft-chat")
         with transaction.atomic():
             record_event(EventKind.CHECKPOINT, job=job, actor="agent:r0s1n0", outcome={"checkpoint_step": 88, "save_s": 21.4},

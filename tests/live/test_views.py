@@ -379,3 +379,130 @@ def test_a_researchers_everyones_list_keeps_its_query_count(researcher, other_re
     client = client_for(researcher)
     with django_assert_max_num_queries(14):
         assert client.get(reverse("dashboard"), {"mine": "0"}).status_code == 200
+
+
+# -- words and pictures: times, audit facts, checkpoints (docs/live-ui.md) ------------------------
+
+EPOCH_SENTENCE = re.compile(r"t=\d{9,}s")
+PYTHON_REPRS = ("False -> True", "True -> False", "{'", "→ True", "→ False")
+# A bare Unix second in the page's text (not inside a hash or id): 2017..2039.
+EPOCH_NUMBER = re.compile(r"(?<![\w.])(1[5-9]|2[0-1])\d{8}(?:\.\d+)?(?![\w.])")
+
+
+def _visible_text(html: str) -> str:
+    """The page's text as read: no scripts (chart data), no raw JSON for auditors, no tags."""
+    html = re.sub(r"<script\b.*?</script>", "", html, flags=re.S)
+    html = re.sub(r'<details class="raw">.*?</details>', "", html, flags=re.S)
+    return re.sub(r"<[^>]+>", " ", html)
+
+
+def _planner_shaped_row(job, **inputs):
+    """An audit row whose inputs carry what a planner pass records: an epoch deadline, nested facts."""
+    from django.db import transaction
+
+    from jobs.audit import record_event
+
+    with transaction.atomic():
+        return record_event(
+            EventKind.RECLAIM, job=job, actor="planner", gpus_before=2, gpus_after=0,
+            reason={"rule": "reclaim", "text": f"Reclaimed {job.name}'s loan ahead of the window.",
+                    "inputs": {"deadline_s": timezone.now().timestamp() + 600, "graceful": True,
+                               "lead_time_s": 34.56, "pool": {"reservation": "crit-window", "gpus": 2},
+                               "nodes": ["r0s0n0", "r0s0n1"], **inputs}},
+            outcome={"kind": "preempt", "ok": True, "checkpoint_step": 40, "save_s": 2.1, "steps_lost": 0},
+        )
+
+
+def test_no_page_shows_epoch_seconds_or_python_reprs_for_the_seeded_demo(db):
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    from jobs.models import Job, Reservation
+
+    call_command("seed_demo", stdout=io.StringIO())
+    olga = get_user_model().objects.get(username="olga")
+    client = client_for(olga)
+    response = client.post(reverse("console-planner"), {
+        "paused": "on", "safety_factor": "2.0", "min_run_s": "120", "reclaim_grace_s": "30"}, follow=True)
+    assert response.status_code == 200
+    actions.update_reservation(Reservation.objects.get(name="vlm-window"), olga, gpus=48)
+    _planner_shaped_row(Job.objects.get(name="ablation-lr"))
+    pages = [response.content.decode()]
+    pages += [client.get(reverse(name)).content.decode() for name in ("dashboard", "console", "audit")]
+    pages += [client.get(reverse("job-page", args=[pk])).content.decode()
+              for pk in Job.objects.values_list("pk", flat=True)]
+    for html in pages:
+        assert not EPOCH_SENTENCE.search(html)
+        for repr_ in PYTHON_REPRS:
+            assert repr_ not in html, repr_
+        text = _visible_text(html)
+        assert not EPOCH_NUMBER.search(text), EPOCH_NUMBER.search(text).group(0)
+    assert "changed the planner: paused off → on" in pages[3]  # the audit page's sentence
+    assert "Planner: paused off → on" in pages[0]  # the console's message
+
+
+def test_every_page_time_is_a_time_element_with_its_utc_timestamp(operator, cluster):
+    client = client_for(operator)
+    _planner_shaped_row(cluster["theirs"])
+    for html in (client.get(reverse(name)).content.decode() for name in ("dashboard", "console", "audit")):
+        times = re.findall(r'<time datetime="([^"]+)" data-style="\w+"(?: data-relative="\w+")? title="([^"]+)">', html)
+        assert times
+        for iso, title in times:
+            assert iso.endswith("Z") and title.endswith(" UTC") and title[:16] == iso[:16].replace("T", " ")
+    job_page = client.get(reverse("job-page", args=[cluster["theirs"].pk])).content.decode()
+    assert "<time" in _job_section(job_page, "event-log") and "due back <time" in job_page
+
+
+def _job_section(html: str, element_id: str) -> str:
+    match = re.search(rf'id="{element_id}".*?</(ol|tbody)>', html, re.S)
+    return match.group(0) if match else ""
+
+
+def test_audit_inputs_and_outcome_read_as_a_table_with_the_raw_json_behind_details(auditor, cluster):
+    row = _planner_shaped_row(cluster["theirs"])
+    html = client_for(auditor).get(reverse("audit")).content.decode()
+    detail = re.search(rf'data-event-id="{row.pk}".*?<tr class="detail" hidden>(.*?)\n      </td></tr>', html, re.S).group(1)
+    assert '<table class="fact-table">' in detail
+    assert re.search(r"<th>deadline_s</th><td><time datetime=", detail)  # an instant, not 17961...
+    assert "<th>lead_time_s</th><td>34.56 s</td>" in detail
+    assert "<th>graceful</th><td>yes</td>" in detail
+    assert "<th>nodes</th><td>r0s0n0, r0s0n1</td>" in detail
+    assert '<tr class="d0 group"><th>pool</th><td></td></tr><tr class="d1"><th>gpus</th><td>2</td></tr>' in detail
+    assert "<th>checkpoint_step</th><td>40</td>" in detail and "<th>save_s</th><td>2.1 s</td>" in detail
+    raw = re.search(r'<details class="raw"><summary>[^<]*</summary><pre>(.*?)</pre></details>', detail, re.S).group(1)
+    assert json.loads(raw.replace("&quot;", '"'))["reason"]["inputs"]["graceful"] is True
+
+
+def test_checkpoint_card_and_table_read_one_source_one_row_per_step(researcher, cluster):
+    from django.db import transaction
+
+    from jobs.audit import record_event
+
+    job = cluster["mine"]
+    with transaction.atomic():  # a preempt saved step 40; the resume loaded it again (same step)
+        record_event(EventKind.OUTCOME, job=job, actor="agent:r0s0n0",
+                     outcome={"kind": "preempt", "ok": True, "checkpoint_step": 40, "save_s": 2.1},
+                     reason={"rule": "outcome", "text": "preempt of mine: done.", "inputs": {}})
+        record_event(EventKind.OUTCOME, job=job, actor="agent:r0s0n0",
+                     outcome={"kind": "resume", "ok": True, "checkpoint_step": 40, "step": 40, "load_s": 1.2},
+                     reason={"rule": "outcome", "text": "resume of mine: done.", "inputs": {}})
+        record_event(EventKind.OUTCOME, job=job, actor="agent:r0s0n0",
+                     outcome={"kind": "start", "ok": True, "checkpoint_step": 0, "step": 0},
+                     reason={"rule": "outcome", "text": "start of mine: done.", "inputs": {}})
+    # A periodic save that only a heartbeat reports (no audit row): step 60.
+    actions.record_heartbeat(cluster["nodes"][0], [{"job": "mine", "state": "member", "checkpoint_step": 60}])
+    html = client_for(researcher).get(reverse("job-page", args=[job.pk])).content.decode()
+    rows = re.findall(r'<tr data-step="(\d+)"><td>(.*?)</td><td class="num">\d+</td><td class="num">([^<]*)</td>',
+                      _job_section(html, "checkpoints"))
+    assert [(step, saved) for step, _, saved in rows] == [("60", "—"), ("40", "2.1 s")]
+    card = re.search(r'id="last-checkpoint"><span class="num" data-f="step">(\d+)</span>.*?data-f="at">(.*?)</span>',
+                     html, re.S)
+    assert card.group(1) == rows[0][0]
+    newest_at = re.search(r'datetime="([^"]+)"', rows[0][1]).group(1)
+    assert f'datetime="{newest_at}"' in card.group(2)  # saved when the newest row says
+
+
+def test_an_empty_checkpoint_table_and_card_say_none_yet(researcher, cluster):
+    html = client_for(researcher).get(reverse("job-page", args=[cluster["mine"].pk])).content.decode()
+    assert "None yet." in _job_section(html, "checkpoints")
+    assert '<span class="num" data-f="step">—</span>' in html and 'data-f="at">: none yet</span>' in html

@@ -2,15 +2,19 @@
 
 The web server and the planner loop start at once (the login page answers within seconds); a
 director thread then issues each node an agent token, starts the agents (real torch workers on
-the reserved nodes, simulated ones elsewhere, all speaking the same protocol), and a minute in
-``kill -9``s one node's agent so its job recovers elsewhere. The rest is the planner's own doing:
-best-effort jobs borrow omni-7b's idle reserved GPUs, are preempted with a checkpoint ahead of
-its window, and resume from their checkpoints once the GPUs are free again. docs/control-loop.md.
+the reserved nodes, simulated ones elsewhere, all speaking the same protocol) and tells the story
+in the terminal, one step at a time, each announced before it happens with what to look at on the
+Cluster page: a loan (best-effort jobs borrow omni-7b's idle reserved GPUs), a graceful reclaim
+(checkpoint first, ahead of its window), a node failure (the director ``kill -9``s one node's agent
+after the window has opened) and the recovery, and the borrowers resuming from their checkpoints.
+The loan, the reclaim and the recovery are the planner's own doing; the director only watches
+the audit log for them and paces its words. docs/control-loop.md.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -18,18 +22,26 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 from django.db import close_old_connections, transaction
+from django.utils import timezone
 
+from jobs.live_events import describe_event
 from jobs.management.commands.seed_demo import DEMO_PASSWORD, DEMO_USERS
-from jobs.models import Node, NodeState
+from jobs.models import Allocation, ElasticEvent, EventKind, Node, NodeState, Reservation
 
 ROOT = Path(settings.BASE_DIR)
 SEPARATE_SIMULATED_AGENTS = 6
+# Pacing: a newcomer reads each announcement, then watches the step happen on the Cluster page.
+STEP_GAP_S = 25  # at least this long between two steps
+WARNING_S = 15  # an announced step the director makes itself (the failure) happens this long after
+RECLAIM_ANNOUNCE_S = 75  # the reclaim is announced this long before the window opens (it starts ~35 s before)
+WATCH_TIMEOUT_S = 240  # how long to wait for the planner's part of a step before moving on
 
 
 def _answers(host: str, port: int) -> bool:
@@ -62,6 +74,47 @@ class Director:
     def say(self, text: str) -> None:
         self.out.write(f"  [demo {time.strftime('%H:%M:%S')}] {text}\n")
         self.out.flush()
+
+    def step(self, number: int, title: str, text: str) -> None:
+        """Announce a step before it happens: what will happen, and where to look."""
+        self.out.write("\n")
+        self.say(f"Step {number}: {title}. {text}")
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait (True when the demo is stopping)."""
+        return self._stop.wait(max(0.0, seconds))
+
+    def _watch(self, kind: str, after_id: int, job: str | None = None) -> ElasticEvent | None:
+        """The first audit row of ``kind`` (of ``job``) after ``after_id``, polled until it appears."""
+        deadline = time.monotonic() + WATCH_TIMEOUT_S
+        while not self._pause(1.0):
+            rows = ElasticEvent.objects.filter(kind=kind, id__gt=after_id)
+            row = (rows.filter(job_name=job) if job else rows).order_by("id").first()
+            close_old_connections()
+            if row is not None or time.monotonic() > deadline:
+                return row
+        return None
+
+    def _report(self, row: ElasticEvent | None, missing: str) -> None:
+        self.say(f"  -> {describe_event(row, with_time=False)}" if row is not None else f"  -> {missing}")
+
+    @staticmethod
+    def _last_id() -> int:
+        last = ElasticEvent.objects.order_by("-id").values_list("id", flat=True).first() or 0
+        close_old_connections()
+        return last
+
+    @staticmethod
+    def _next_window() -> tuple[str, datetime] | None:
+        """The soonest reserved window opening in the next 15 minutes: (reservation, start)."""
+        now = timezone.now()
+        soonest = None
+        for reservation in Reservation.objects.filter(cancelled_at__isnull=True):
+            start = reservation.next_window_start(now)
+            if start is not None and start <= now + timedelta(minutes=15) and (soonest is None or start < soonest[1]):
+                soonest = (reservation.name, start)
+        close_old_connections()
+        return soonest
 
     def _tokens(self) -> list[tuple[str, str, int]]:
         """A fresh token per node, written to files only this user can read."""
@@ -121,37 +174,81 @@ class Director:
             ])
         kinds = f"{len(torch_names)} with real torch workers, {len(nodes) - len(torch_names)} simulated"
         self.say(f"started agents for {len(nodes)} nodes ({kinds}); logs in {self.dir}")
-        if self.fail_after_s <= 0 or self._stop.wait(self.fail_after_s):
+        self._story(nodes, torch_names)
+
+    def _story(self, nodes: list[tuple[str, str, int]], torch_names: set[str]) -> None:
+        """The steps, each announced, then watched for in the audit log, at least STEP_GAP_S apart."""
+        window = self._next_window()
+        mark = self._last_id()
+        self.step(1, "a loan", "As the agents connect, the planner places the regular jobs on general GPUs and "
+                  "lends the critical job's idle reserved GPUs to best-effort jobs. On the Cluster page: "
+                  "teal-striped GPUs on the map, and teal loan bars under the reservation on the timeline.")
+        self._report(self._watch(EventKind.LEND, mark), "no loan yet (see the Audit page)")
+        stepped = time.monotonic()
+        if window is not None:
+            name, opens = window
+            announce_in = (opens - timezone.now()).total_seconds() - RECLAIM_ANNOUNCE_S
+            if self._pause(max(announce_in, STEP_GAP_S - (time.monotonic() - stepped))):
+                return
+            mark = self._last_id()
+            at = time.strftime("%H:%M:%S", time.localtime(opens.timestamp()))
+            self.step(2, "a graceful reclaim", f"{name}'s window opens at {at}. About half a minute before, the "
+                      "planner takes its GPUs back: each borrower saves a checkpoint first (state checkpointing), "
+                      "then stops as preempted with no steps lost, its loan bar ends, and the critical job starts "
+                      "on its reserved GPUs. The Audit page shows the reclaim and its outcome (checkpoint step, "
+                      "save time).")
+            self._report(self._watch(EventKind.RECLAIM, mark), "no reclaim yet (see the Audit page)")
+            stepped = time.monotonic()
+            opens_in = (opens - timezone.now()).total_seconds()
+            wait_s = max(opens_in + self.fail_after_s, STEP_GAP_S) - WARNING_S
+        else:
+            wait_s = max(self.fail_after_s, STEP_GAP_S) - WARNING_S
+        if self.fail_after_s <= 0 or self._pause(wait_s):
             return
-        victim = self._pick_victim(set(self.procs) - {f"agent-{n}" for n in torch_names})
+        victim, job = self._pick_victim(set(self.procs) - {f"agent-{n}" for n in torch_names}) or (None, None)
         if victim is None:
             self.say("no simulated node runs anything; skipping the node failure")
             return
-        self.say(f"kill -9 the agent of {victim}: watch it go suspect, then failed, and its job recover elsewhere")
+        mark = self._last_id()
+        self.step(3, "a node fails and its job recovers", f"In {WARNING_S} s the demo kills {victim}'s agent "
+                  f"(kill -9). On the Cluster page {victim} turns amber (suspect), then red (failed); {job} falls "
+                  "back to its last checkpoint and the planner recovers it on other GPUs. The Audit page shows "
+                  "node_suspect, node_failed (steps lost) and recover.")
+        if self._pause(WARNING_S):
+            return
         proc = self.procs.pop(f"agent-{victim}")
         os.killpg(proc.pid, signal.SIGKILL)
-        if self._stop.wait(30):
+        self.say(f"killed {victim}'s agent")
+        self._report(self._watch(EventKind.RECOVER, mark, job), f"{job} has not recovered yet (see the Audit page)")
+        if self._pause(max(0.0, 30 - WARNING_S)):
             return
         state = Node.objects.get(name=victim).state
         close_old_connections()
         self.say(f"{victim}'s agent is back; the node stays {state} until an operator marks it repaired "
-                 "(console: nodes)")
+                 "(Cluster page, signed in as olga: click the node, then Mark repaired)")
         token, gpus = next((t, g) for n, t, g in nodes if n == victim)
         self._spawn(f"agent-{victim}", self._agent_argv(victim, token, gpus, simulated=True))
+        if window is None or self._pause(STEP_GAP_S):
+            return
+        mark = self._last_id()
+        self.step(4, "the borrowers resume", "When the critical job finishes, its GPUs are free again and the "
+                  "best-effort jobs it preempted are placed again, resuming from exactly the step they saved "
+                  "(their job pages: the checkpoints table and the event log).")
+        self._report(self._watch(EventKind.COMPLETE, mark), "the critical job is still running")
+        self._report(self._watch(EventKind.PLACE, mark), "no borrower has been placed again yet")
 
-    def _pick_victim(self, candidates: set[str]) -> str | None:
-        """The simulated node running the most important work (a regular job if any)."""
-        from jobs.models import Allocation
-
-        rank = {"critical": 0, "regular": 1, "best_effort": 2}
-        best: tuple[int, str] | None = None
+    def _pick_victim(self, candidates: set[str]) -> tuple[str, str] | None:
+        """The simulated node running the most important work, and that job: a regular job if any
+        (the critical job's window is the story's reclaim; with --torch-nodes 0 it is a candidate)."""
+        rank = {"regular": 0, "critical": 1, "best_effort": 2}
+        best: tuple[int, str, str] | None = None
         for alloc in Allocation.objects.select_related("node", "job"):
             if f"agent-{alloc.node.name}" not in candidates:
                 continue
-            key = (rank.get(alloc.job.priority, 3), alloc.node.name)
+            key = (rank.get(alloc.job.priority, 3), alloc.node.name, alloc.job.name)
             best = key if best is None or key < best else best
         close_old_connections()
-        return best[1] if best else None
+        return (best[1], best[2]) if best else None
 
     def start(self) -> None:
         threading.Thread(target=self.run, name="omni-demo-director", daemon=True).start()
@@ -180,8 +277,9 @@ class Command(BaseCommand):
         parser.add_argument("--no-agents", action="store_true", help="serve only; start no agents")
         parser.add_argument("--torch-nodes", type=int, default=2,
                             help="nodes whose agent runs real torch workers (the rest are simulated)")
-        parser.add_argument("--fail-after", type=float, default=60.0,
-                            help="seconds before one node's agent is killed (0: never)")
+        parser.add_argument("--fail-after", type=float, default=30.0,
+                            help="seconds after the reserved window opens (after the loan, with no window "
+                            "soon) before one node's agent is killed (0: never)")
 
     def handle(self, *args, host: str, port: int, no_agents: bool, torch_nodes: int, fail_after: float,
                **options) -> None:
@@ -191,11 +289,14 @@ class Command(BaseCommand):
         for name, role, _ in DEMO_USERS:
             self.stdout.write(f"    {name:<8} {role:<11} password {DEMO_PASSWORD}")
         self.stdout.write(f"  API: {url}api/   OpenAPI schema: {url}api/schema/   Admin: {url}admin/")
-        self.stdout.write("  The story: best-effort jobs borrow omni-7b's reserved GPUs, are preempted with a")
-        self.stdout.write("  checkpoint before its window opens, a node fails and its job recovers elsewhere, the")
-        self.stdout.write("  borrowers resume from their checkpoints. Follow it on the audit page.")
+        self.stdout.write("  The story, over about five minutes, each step announced here before it happens: best-")
+        self.stdout.write("  effort jobs borrow omni-7b's idle reserved GPUs, give them back with a checkpoint before")
+        self.stdout.write("  its window opens, a node fails and its job recovers elsewhere, and the borrowers resume")
+        self.stdout.write("  from their checkpoints. Watch the Cluster page (and the Audit page for the details).")
         self.stdout.write("  Stop with Ctrl-C.")
         self.stdout.write("")
+        # The story's lines are what a newcomer reads here: no "task succeeded" line between them.
+        logging.getLogger("celery.app.trace").setLevel(logging.WARNING)
         director = None
         healthy = Node.objects.exclude(state=NodeState.FAILED).exists()
         if not no_agents and healthy:
