@@ -416,7 +416,7 @@ CLASS_ORDER = Case(
     When(priority=Priority.REGULAR, then=Value(1)),
     default=Value(2),
 )
-WAITING_STATES = (JobState.PENDING, JobState.PREEMPTED)
+WAITING_STATES = (JobState.PENDING, JobState.PREEMPTED, JobState.RECOVERING)
 QUEUE_LIMIT = 200
 
 

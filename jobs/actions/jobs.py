@@ -218,6 +218,10 @@ def job_with_changes(job: Job, changes: dict[str, Any]) -> Job:
         edited.accum_steps = edited.global_batch // (edited.micro_batch * edited.dp)
     if edited.total_steps < edited.committed_steps:
         errors["total_steps"] = [f"{job.name} has already run {edited.committed_steps} steps"]
+    if {"tp", "pp", "dp_min"} & set(changes):  # the same "can it ever run here" rule as submit_job
+        node_gpus = list(Node.objects.values_list("gpu_count", flat=True))
+        for field, problem in fit_problems(edited.tp, edited.pp, edited.dp_min, node_gpus).items():
+            errors.setdefault(field, []).append(problem)
     refuse_invalid(edited, errors)
     return edited
 

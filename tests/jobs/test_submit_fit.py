@@ -62,3 +62,13 @@ def test_a_job_that_fits_is_accepted(researcher, three_nodes):
 
 def test_a_cluster_without_nodes_yet_refuses_nothing(researcher):
     assert actions.submit_job(researcher, **_spec({"tp": 64, "dp": 1})).state == "pending"
+
+
+def test_an_edit_cannot_make_a_pending_job_one_that_never_fits(three_nodes, researcher, operator):
+    job = actions.submit_job(researcher, **SPEC)
+    rows = ElasticEvent.objects.count()
+    with pytest.raises(ValidationError) as refused:
+        actions.edit_job(job, operator, tp=16, dp_max=2)
+    assert refused.value.message_dict["tp"] == ["16 GPUs per tensor-parallel group but the largest node has 8"]
+    job.refresh_from_db()
+    assert (job.tp, ElasticEvent.objects.count()) == (8, rows)
