@@ -164,10 +164,23 @@ def job_summary(job: Job, gpus: int, borrowed: int) -> dict[str, Any]:
         "progress": round(job.progress, 4),
         "remaining_steps": remaining,
         "pending_reason": job.pending_reason,
+        "waiting": _waiting(job),
         "last_checkpoint_step": job.last_checkpoint_step,
         "last_checkpoint_at": job.last_checkpoint_at.isoformat() if job.last_checkpoint_at else None,
         "preemptions": job.preemptions,
     }
+
+
+def _waiting(job: Job) -> dict[str, Any] | None:
+    """The dashboard's waiting text, live: ``jobs.live_data.waiting_note``, the words a reloaded
+    row shows (the planner's latest note as the reason; no query)."""
+    from jobs.live_data import waiting_note  # live_data reads describe_event from this module
+
+    note = waiting_note(job, None)
+    if note is None:
+        return None
+    return {"lead": note["lead"], "since": note["since"].isoformat(), "style": note["style"], "tail": note["tail"],
+            "reason": note["reason"], "cannot_fit": note["cannot_fit"]}
 
 
 def node_summary(node: Node, held: dict[int, Allocation]) -> dict[str, Any]:

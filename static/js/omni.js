@@ -277,9 +277,16 @@
     $(".bar > span", row).style.width = (100 * job.progress).toFixed(1) + "%";
     const stepS = parseFloat(row.dataset.stepS);
     const eta = $("[data-field=eta]", row);
-    if (eta && eta.firstChild) eta.firstChild.textContent = "ETA " + humanDuration(job.remaining_steps * stepS) + " ";
-    if (["pending", "preempted"].includes(job.state) && job.pending_reason) {
-      $("[data-field=last]", row).replaceChildren(el("span", {class: "muted", text: "Waiting: "}), job.pending_reason);
+    // The words of a reloaded row (jobs.live_data.waiting_note): "Waiting since 07:21. <why>".
+    const waiting = job.waiting;
+    if (eta && eta.firstChild) {
+      eta.firstChild.textContent = waiting && waiting.cannot_fit ? "ETA — cannot fit this cluster "
+        : "ETA " + humanDuration(job.remaining_steps * stepS) + " ";
+    }
+    if (waiting) {
+      const lead = el("span", {class: "muted"});
+      lead.append(waiting.lead + " ", timeEl(waiting.since, waiting.style), waiting.tail + ".");
+      $("[data-field=last]", row).replaceChildren(lead, " ", waiting.reason);
     } else if (event) {
       $("[data-field=last]", row).replaceChildren(timeEl(event.at, "time"), " ", el("span", {text: event.sentence || event.text}));
     }

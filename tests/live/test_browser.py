@@ -265,6 +265,26 @@ def test_anothers_job_is_an_unlinked_summary_row_that_stays_live(open_as, asgi_s
     assert "undefined" not in row.inner_text()
 
 
+def test_a_waiting_rows_words_follow_the_planner_live(open_as, asgi_server, researcher, make_job, make_nodes):
+    make_nodes(racks=1, switches=1, nodes=1, gpus=4)
+    job = make_job(tp=4, dp=1, dp_min=1, dp_max=1, global_batch=4, micro_batch=4)
+    page = open_as(researcher)
+    page.goto(f"{asgi_server}/")
+    row = page.locator(f"#jobs tr[data-job-id='{job.pk}']")
+    assert "Waiting since" in row.inner_text()
+    wait_live(page)
+    # The node has no agent yet: the planner holds the job and says why, and the row follows.
+    in_thread(lambda: actions.run_planner_pass("test"))
+    last = row.locator("[data-field=last]")
+    last.locator("time").wait_for(timeout=3000)
+    page.wait_for_function(
+        "(id) => document.querySelector(`#jobs tr[data-job-id='${id}'] [data-field=last]`)"
+        ".textContent.includes('Needs')", arg=job.pk, timeout=3000)
+    text = last.inner_text()
+    assert text.startswith("Waiting since ") and "undefined" not in text, text
+    assert Job.objects.get(pk=job.pk).pending_reason in text
+
+
 def test_anonymous_visitor_is_sent_to_login(browser, asgi_server):
     context = browser.new_context()
     page = context.new_page()
