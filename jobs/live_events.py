@@ -34,6 +34,7 @@ from jobs.audit import GENESIS_HASH, link_problem
 from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, job_group, node_group
 from jobs.models import Allocation, ElasticEvent, Job, Node, PlannerRun
 from jobs.vocab import EventKind
+from jobs.waiting import waiting_note
 
 NODE_EVENT_KINDS = frozenset({
     EventKind.DRAIN, EventKind.CORDON, EventKind.UNCORDON, EventKind.NODE_SUSPECT, EventKind.NODE_FAILED,
@@ -172,10 +173,8 @@ def job_summary(job: Job, gpus: int, borrowed: int) -> dict[str, Any]:
 
 
 def _waiting(job: Job) -> dict[str, Any] | None:
-    """The dashboard's waiting text, live: ``jobs.live_data.waiting_note``, the words a reloaded
-    row shows (the planner's latest note as the reason; no query)."""
-    from jobs.live_data import waiting_note  # live_data reads describe_event from this module
-
+    """The dashboard's waiting text, live: the words a reloaded row shows (``jobs.waiting``),
+    with the planner's latest note as the reason (no query)."""
     note = waiting_note(job, None)
     if note is None:
         return None

@@ -54,7 +54,6 @@ from jobs.live_data import (
     reservation_boundaries,
     reservation_windows,
     utilisation_series,
-    waiting_note,
 )
 from jobs.live_events import compact_nodes, describe_event, event_payload
 from jobs.models import (
@@ -68,6 +67,7 @@ from jobs.models import (
     PlannerControl,
     Reservation,
 )
+from jobs.waiting import waiting_note
 
 AUDIT_PAGE_SIZE = 100
 EXPORT_CHUNK_ROWS = 2000
@@ -404,7 +404,7 @@ def planner_control(request: HttpRequest) -> HttpResponse:
     if changes:
         try:
             actions.set_planner_control(request.user, **changes)
-            messages.success(request, f"Planner: {actions.describe_control_changes(before, changes)}.")
+            messages.success(request, f"Planner: {actions.describe_changes(before, changes)}.")
         except ValidationError as exc:
             messages.error(request, "; ".join(exc.messages))
     else:

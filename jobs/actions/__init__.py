@@ -19,6 +19,7 @@ One module per domain; callers use this package's names (``actions.submit_job``)
 Actions never import ``jobs.tasks``: a pass they need after commit is triggered by task name.
 """
 
+from jobs.actions._common import describe_changes
 from jobs.actions.agents import (
     fence_stray_workers,
     record_agent_hello,
@@ -67,7 +68,6 @@ from jobs.actions.nodes import (
 from jobs.actions.planner_pass import (
     PLANNER_LOCK_KEY,
     PassResult,
-    describe_control_changes,
     run_planner_pass,
     set_planner_control,
 )
@@ -97,8 +97,8 @@ __all__ = [
     "claim_commands_for_dispatch",
     "command_frame",
     "cordon_node",
+    "describe_changes",
     "create_reservation",
-    "describe_control_changes",
     "drain_node",
     "edit_job",
     "edit_node",

@@ -91,3 +91,23 @@ def trigger_plan_with_broker(trigger: str) -> None:
     inside a user's request."""
     if not settings.CELERY_TASK_ALWAYS_EAGER:
         trigger_plan(trigger)
+
+
+def change_value_words(field: str, value: Any) -> str:
+    """A changed value as a person reads it: ``on``/``off``, ``120 s``, ``none``; never ``False``."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == "":
+        return "none"
+    if field.endswith("_s") and isinstance(value, int | float):
+        return f"{value:g} s"
+    return str(value)
+
+
+def describe_changes(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """``gpu_model H100-80GB → H200-141GB, min run 60 s → 120 s``: fields and values in words."""
+    return ", ".join(
+        f"{field.removesuffix('_s').replace('_', ' ')} {change_value_words(field, before[field])} → "
+        f"{change_value_words(field, after[field])}"
+        for field in before if field in after
+    )

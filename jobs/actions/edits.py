@@ -53,26 +53,6 @@ def changed_facts(row: Model, edited: Model, fields: list[str]) -> tuple[dict[st
             {field: _plain(getattr(edited, field)) for field in changed})
 
 
-def change_value_words(field: str, value: Any) -> str:
-    """A changed value as a person reads it: ``on``/``off``, ``120 s``, ``none``; never ``False``."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value is None or value == "":
-        return "none"
-    if field.endswith("_s") and isinstance(value, int | float):
-        return f"{value:g} s"
-    return str(value)
-
-
-def describe_changes(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """``gpu_model H100-80GB → H200-141GB, min run 60 s → 120 s``: fields and values in words."""
-    return ", ".join(
-        f"{field.removesuffix('_s').replace('_', ' ')} {change_value_words(field, before[field])} → "
-        f"{change_value_words(field, after[field])}"
-        for field in before if field in after
-    )
-
-
 def wait_for_planner() -> None:
     """Wait for a running planner pass, and keep the next one out until this transaction ends,
     so no pass plans with values the edit is changing. (SQLite: writers are serialised already.)"""

@@ -11,9 +11,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from jobs.actions._common import actor_name, release_allocations, trigger_plan_with_broker
+from jobs.actions._common import actor_name, describe_changes, release_allocations, trigger_plan_with_broker
 from jobs.actions.commands import dispatch_on_commit, write_stop_commands
-from jobs.actions.edits import changed_facts, describe_changes, refuse_invalid, wait_for_planner, with_changes
+from jobs.actions.edits import changed_facts, refuse_invalid, wait_for_planner, with_changes
 from jobs.audit import record_event
 from jobs.models import Allocation, Job, JobState, Node, PlannerControl, Priority, Reservation
 from jobs.models.jobs import ACTIVE_JOB_STATES

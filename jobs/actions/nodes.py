@@ -14,11 +14,10 @@ from django.db import transaction
 from django.db.models import Q, QuerySet, TextField
 from django.db.models.functions import Cast
 
-from jobs.actions._common import WORKING_JOB_STATES, actor_name, trigger_plan
+from jobs.actions._common import WORKING_JOB_STATES, actor_name, describe_changes, trigger_plan
 from jobs.actions.commands import expire_node_commands, record_job_fault
 from jobs.actions.edits import (
     changed_facts,
-    describe_changes,
     refuse_fields,
     refuse_invalid,
     wait_for_planner,

@@ -21,7 +21,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from jobs.actions._common import PLANNER_ACTOR, actor_name, kill_and_release
+from jobs.actions._common import PLANNER_ACTOR, actor_name, describe_changes, kill_and_release
 from jobs.actions.commands import dispatch_on_commit, nodes_in_order, write_commands
 from jobs.audit import record_event
 from jobs.models import Allocation, Command, Job, JobState, Node, PlannerControl, PlannerRun, Reservation
@@ -35,18 +35,6 @@ from jobs.vocab import DECISION_EVENTS, ActionKind, CommandKind, EventKind
 # The key of the PostgreSQL advisory lock that allows one planner pass at a time cluster-wide.
 PLANNER_LOCK_KEY = 0x4F4D4E50  # "OMNP"
 PLANNER_KNOBS = ("paused", "dry_run", "safety_factor", "min_run_s", "reclaim_grace_s")
-
-
-def describe_control_changes(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """``paused off → on, min run 60 s → 120 s``: the knobs in words, never Python's ``False``."""
-
-    def word(knob: str, value: Any) -> str:
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        return f"{value} s" if knob.endswith("_s") else str(value)
-
-    return ", ".join(f"{knob.removesuffix('_s').replace('_', ' ')} {word(knob, before[knob])} → {word(knob, value)}"
-                     for knob, value in after.items() if knob in before)
 
 
 @transaction.atomic
@@ -66,7 +54,7 @@ def set_planner_control(actor, **changes: Any) -> PlannerControl:
     control.updated_at = timezone.now()
     control.updated_by = actor
     control.save(update_fields=[*changes, "updated_at", "updated_by"])
-    described = describe_control_changes(before, changes)
+    described = describe_changes(before, changes)
     record_event(
         EventKind.OVERRIDE,
         actor=actor_name(actor),

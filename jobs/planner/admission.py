@@ -45,6 +45,8 @@ TIER_ENTITLED = 0
 TIER_RECOVERING = 1
 TIER_CRITICAL = 2
 TIER_OTHER = 3
+# The hold cause of a job that can never run on this cluster as it is (pages show it no ETA).
+CANNOT_FIT = "cannot_fit"
 
 
 def queue_tier(state: PlanningPass, job: Job) -> int:
@@ -238,7 +240,7 @@ def hold_if_cannot_fit(state: PlanningPass, job: Job) -> bool:
     if not problems:
         return False
     field, problem = next(iter(problems.items()))
-    state._hold(job, "cannot_fit",
+    state._hold(job, CANNOT_FIT,
                 f"Cannot fit this cluster: {problem}. It waits until the cluster grows or its spec changes.",
                 field=field, gpus_min=job.dp_min * job.tp * job.pp)
     return True

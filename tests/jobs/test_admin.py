@@ -17,7 +17,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from jobs import actions
-from jobs.actions.edits import describe_changes
+from jobs.actions import describe_changes
 from jobs.admin import JobForm
 from jobs.models import ElasticEvent, Job, JobState, Node, NodeState, Priority
 from telemetry import rollups
