@@ -33,6 +33,7 @@ class CommandKind(StrEnum):
     RESIZE = "resize"
     RESUME = "resume"
     STOP = "stop"
+    CLEAN = "clean"
 
 
 class EventKind(StrEnum):
@@ -70,6 +71,10 @@ class EventKind(StrEnum):
     RESERVATION_CHANGE = "reservation_change"
     RESERVATION_CANCEL = "reservation_cancel"
     OVERRIDE = "override"
+    RESTART = "restart"
+    RUN_DIR_REMOVED = "run_dir_removed"
+    TOKEN_ISSUED = "token_issued"
+    USER_ADDED = "user_added"
 
 
 # The audit row each applied planner action writes. (A preempt that is not graceful is recorded
@@ -95,6 +100,7 @@ COMMAND_KIND_LABELS: dict[CommandKind, str] = {
     CommandKind.RESIZE: "Resize",
     CommandKind.RESUME: "Resume",
     CommandKind.STOP: "Stop",
+    CommandKind.CLEAN: "Remove a run dir",
 }
 
 EVENT_KIND_LABELS: dict[EventKind, str] = {
@@ -130,6 +136,10 @@ EVENT_KIND_LABELS: dict[EventKind, str] = {
     EventKind.RESERVATION_CHANGE: "Reservation changed",
     EventKind.RESERVATION_CANCEL: "Reservation cancelled",
     EventKind.OVERRIDE: "Planner override",
+    EventKind.RESTART: "Restarted after a failure",
+    EventKind.RUN_DIR_REMOVED: "Run dir removed",
+    EventKind.TOKEN_ISSUED: "API token issued",
+    EventKind.USER_ADDED: "User added",
 }
 
 

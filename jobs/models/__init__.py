@@ -6,14 +6,18 @@ The kinds of commands and audit events are the vocabulary of ``jobs.vocab``, re-
 from jobs.models.audit import ElasticEvent
 from jobs.models.cluster import Allocation, AllocationSpan, Node, NodeState
 from jobs.models.commands import Command, CommandState
-from jobs.models.jobs import Job, JobState, Priority
+from jobs.models.jobs import REFERENCE_ENTRYPOINT, Integration, Job, JobState, Priority
+from jobs.models.logs import JobLogLine, LogStream
 from jobs.models.planner import PlannerControl, PlannerRun
 from jobs.models.reservations import Reservation
 from jobs.models.states import BatchInvariantError, IllegalTransition
+from jobs.models.tokens import ApiToken, hash_api_token
 from jobs.vocab import CommandKind, EventKind
 
 __all__ = [
+    "REFERENCE_ENTRYPOINT",
     "Allocation",
+    "ApiToken",
     "AllocationSpan",
     "BatchInvariantError",
     "Command",
@@ -22,12 +26,16 @@ __all__ = [
     "ElasticEvent",
     "EventKind",
     "IllegalTransition",
+    "Integration",
     "Job",
+    "JobLogLine",
     "JobState",
+    "LogStream",
     "Node",
     "NodeState",
     "PlannerControl",
     "PlannerRun",
     "Priority",
     "Reservation",
+    "hash_api_token",
 ]

@@ -55,6 +55,12 @@ class Node(models.Model):
     speed_factor = models.FloatField(
         default=1.0, help_text="Measured step-time multiplier; above 1 means a straggler."
     )
+    address = models.CharField(
+        max_length=255, blank=True, default="",
+        help_text="Where other nodes reach this one (rendezvous); reported by its agent.",
+    )
+    disk_free_bytes = models.BigIntegerField(null=True, blank=True, help_text="Free space of the agent's runs dir.")
+    disk_total_bytes = models.BigIntegerField(null=True, blank=True)
     agent_token_hash = models.CharField(max_length=64, blank=True, default="", editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -17,6 +17,25 @@ class Priority(models.TextChoices):
     BEST_EFFORT = "best_effort", "Best effort"
 
 
+class Integration(models.TextChoices):
+    """How a job's code works with Omni (docs/workloads.md).
+
+    ``omni``: it uses ``trainer_agent.runtime`` (cooperative checkpoint-and-stop, step records,
+    elastic DP). ``signal``: any script; preempt is SIGTERM, ``grace_s``, then SIGKILL; not elastic.
+    """
+
+    OMNI = "omni", "Omni runtime (cooperative, elastic)"
+    SIGNAL = "signal", "Signal (SIGTERM, grace, SIGKILL; not elastic)"
+
+
+# The reference trainer (trainer_agent.reference): the demo's workload and the default one.
+REFERENCE_ENTRYPOINT = ("-m", "trainer_agent.reference")
+
+
+def reference_entrypoint() -> list[str]:
+    return list(REFERENCE_ENTRYPOINT)
+
+
 class JobState(models.TextChoices):
     PENDING = "pending", "Pending"
     RUNNING = "running", "Running"
@@ -112,6 +131,29 @@ class Job(models.Model):
     )
     pending_since = models.DateTimeField(null=True, blank=True, help_text="When the current hold cause began.")
 
+    # The workload: what runs on the GPUs (docs/workloads.md). One torchrun per node the job holds
+    # starts ``entrypoint`` on every GPU there.
+    entrypoint = models.JSONField(
+        default=reference_entrypoint,
+        help_text="argv: a first word ending in .py or '-m MODULE' runs with the node's Python; else an executable.",
+    )
+    workdir = models.CharField(max_length=1024, blank=True, default="",
+                               help_text="Working directory of the ranks (default: the job's run dir).")
+    env = models.JSONField(default=dict, blank=True, help_text="Extra environment of the ranks (values never shown back).")
+    integration = models.CharField(max_length=8, choices=Integration.choices, default=Integration.OMNI)
+    grace_s = models.FloatField(default=30.0, help_text="Signal mode: seconds from SIGTERM to SIGKILL.")
+    max_restarts = models.PositiveSmallIntegerField(default=0, help_text="Restarts after the script fails.")
+    restarts = models.PositiveSmallIntegerField(default=0, help_text="Restarts used so far.")
+    keep_checkpoints = models.PositiveSmallIntegerField(default=3, help_text="Omni jobs keep the last K checkpoints.")
+    # The current run (one per launch: start, resume, resize): its rendezvous id and port.
+    run_id = models.CharField(max_length=64, blank=True, default="")
+    rdzv_port = models.PositiveIntegerField(null=True, blank=True)
+    failure = models.JSONField(
+        default=dict, blank=True,
+        help_text="The last failure of the job's code: exit code, rank, node, last lines of its log.",
+    )
+    run_dir_removed_at = models.DateTimeField(null=True, blank=True)
+
     submitted_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True, help_text="Start of the current continuous run.")
     first_started_at = models.DateTimeField(null=True, blank=True)
@@ -132,6 +174,10 @@ class Job(models.Model):
             ),
             models.CheckConstraint(condition=Q(dp_min__gte=1), name="job_dp_min_positive"),
             models.CheckConstraint(condition=Q(committed_steps__lte=F("total_steps")), name="job_steps_bounded"),
+            models.CheckConstraint(
+                condition=Q(integration="omni") | (Q(dp_min=F("dp")) & Q(dp_max=F("dp"))),
+                name="job_signal_not_elastic",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -151,6 +197,10 @@ class Job(models.Model):
     @property
     def gpus_wanted(self) -> int:
         return self.replica_gpus * self.dp
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.integration == Integration.OMNI and self.dp_min < self.dp_max
 
     @property
     def is_terminal(self) -> bool:
