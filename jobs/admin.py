@@ -21,6 +21,8 @@ from django.http import HttpResponseRedirect
 from django.urls import reverse
 
 from jobs import actions
+from jobs.actions.jobs import env_names
+from jobs.forms import EnvField
 from jobs.models import (
     Allocation,
     AllocationSpan,
@@ -222,19 +224,25 @@ class NodeAdmin(ActionAdmin):
 class JobForm(ActionForm):
     validate = staticmethod(actions.job_with_changes)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if "env" in self.fields:  # names shown, values kept unless replaced, never rendered
+            self.fields["env"] = EnvField(current=self.instance.env, label="Env")
+
 
 @admin.register(Job)
 class JobAdmin(ActionAdmin):
-    """Edit a job's owner, priority and run guarantee until it ends, and its spec while it is
-    pending, each audited. Jobs are submitted through the API or dashboard and never deleted:
-    cancel them."""
+    """Edit a job's owner, priority, run guarantee and restarts until it ends, and its spec and
+    workload while it is pending, each audited. Jobs are submitted by their owner through the API
+    or dashboard (the submit row is theirs), never added here, and never deleted: cancel them.
+    The environment's values are never shown, editable or not."""
 
     form = JobForm
     list_display = (
-        "name", "owner", "priority", "state", "tp", "pp", "dp", "accum_steps", "global_batch",
+        "name", "owner", "priority", "state", "integration", "tp", "pp", "dp", "accum_steps", "global_batch",
         "committed_steps", "total_steps", "submitted_at",
     )
-    list_filter = ("state", "priority", "owner")
+    list_filter = ("state", "priority", "integration", "owner")
     search_fields = ("name", "owner__username")
     list_select_related = ("owner",)
     inlines = [AllocationInline]
@@ -242,6 +250,16 @@ class JobAdmin(ActionAdmin):
 
     def editable_fields(self, obj) -> tuple[str, ...]:
         return actions.job_editable_fields(obj) if obj is not None else ()
+
+    def get_fields(self, request, obj=None) -> list[str]:
+        fields = super().get_fields(request, obj)
+        if "env" in self.editable_fields(obj):
+            return fields
+        return ["env_names" if name == "env" else name for name in fields]
+
+    @admin.display(description="Env")
+    def env_names(self, job: Job) -> str:
+        return ", ".join(env_names(job.env)) or "-"
 
     def save_through(self, user, obj, changes: dict[str, Any], change: bool) -> Job:
         return actions.edit_job(obj, user, **changes)

@@ -98,7 +98,7 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
     kind = frame["type"]
     if kind == protocol.HEARTBEAT:
         workers = [w for w in frame.get("workers", []) if isinstance(w, dict)]
-        actions.record_heartbeat(node, workers)
+        actions.record_heartbeat(node, workers, disk=frame.get("disk"))
         _ingest_gpu_samples(node, frame)
         return []
     if kind == protocol.ACK:

@@ -51,6 +51,24 @@ run_in_pool = sync_to_async(_in_pool, thread_sensitive=False)
 
 # Step-record frames waiting for the database, per socket; beyond this the oldest are dropped.
 MAX_QUEUED_STEP_FRAMES = 200
+# Logs frames waiting, per socket: far more than an agent's window allows (docs/logs.md).
+MAX_QUEUED_LOG_FRAMES = 64
+
+
+def _logs_reply(node: Node, frame: dict[str, Any]) -> dict[str, Any]:
+    """Store one ``logs`` frame; answer ``logs_ack`` (stored, or refused: the agent drops the
+    run's lines) or, for a malformed frame, ``error``."""
+    try:
+        stored = actions.record_log_lines(node, frame)
+    except protocol.ProtocolError as exc:
+        logger.info("bad logs frame from %s: %s", node.name, exc)
+        return error_frame(exc.code, str(exc), frame.get("ship"))
+    except actions.LogsRefused as exc:
+        logger.info("logs from %s refused: %s", node.name, exc)
+        return {"type": protocol.LOGS_ACK, "ship": frame["ship"], "job": frame["job"], "run_id": frame["run_id"],
+                "stored": 0, "refused": str(exc)}
+    return {"type": protocol.LOGS_ACK, "ship": frame["ship"], "job": frame["job"], "run_id": frame["run_id"],
+            "stored": stored, "refused": None}
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -67,6 +85,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
     steps_queue: asyncio.Queue | None = None
     steps_task: asyncio.Task | None = None
     dropped_step_frames = 0
+    logs_queue: asyncio.Queue | None = None
+    logs_task: asyncio.Task | None = None
 
     async def connect(self) -> None:
         headers = asgi_headers(self.scope.get("headers", []))
@@ -108,10 +128,11 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 logger.exception("step records from %s failed", self.node.name if self.node else "?")
 
     async def disconnect(self, code: int) -> None:
-        if self.steps_task is not None:
-            self.steps_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.steps_task
+        for task in (self.steps_task, self.logs_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.group is not None:
             websocket_closed("agent")
             await self.channel_layer.group_discard(self.group, self.channel_name)
@@ -124,7 +145,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if self.node is None:
             return
         try:
-            frame = protocol.validate_agent_frame(protocol.parse_frame(text_data))
+            frame = protocol.parse_frame(text_data)
+            # A logs frame's shape is checked where it is stored (jobs.actions.logs).
+            if frame["type"] != protocol.LOGS:
+                frame = protocol.validate_agent_frame(frame)
         except protocol.ProtocolError as exc:
             self.bad_frames += 1
             logger.info("bad frame from %s: %s", self.node.name, exc)
@@ -154,20 +178,53 @@ class AgentConsumer(AsyncWebsocketConsumer):
                                self.node.name, self.dropped_step_frames)
             self.steps_queue.put_nowait(frame)
             return
+        if frame["type"] == protocol.LOGS:
+            await self.on_logs(frame)
+            return
         replies = await run_in_pool(handle_frame, self.node, frame)
         for reply in replies:
             await self.send_frame(reply)
 
+    async def on_logs(self, frame: dict[str, Any]) -> None:
+        """Log lines go through a queue of their own, like step records, so a chatty job never
+        delays the heartbeats behind it. The agent's window bounds what it sends unacknowledged
+        (docs/logs.md), so the queue stays short; a peer that ignores the window is refused."""
+        if self.logs_queue is None:
+            self.logs_queue = asyncio.Queue()
+            self.logs_task = asyncio.create_task(self._drain_logs())
+        if self.logs_queue.qsize() >= MAX_QUEUED_LOG_FRAMES:
+            await self.send_frame(error_frame("logs_backlog", f"more than {MAX_QUEUED_LOG_FRAMES} logs frames "
+                                              "waiting: wait for their acks", frame.get("ship")))
+            return
+        self.logs_queue.put_nowait(frame)
+
+    async def _drain_logs(self) -> None:
+        assert self.logs_queue is not None
+        while True:
+            frame = await self.logs_queue.get()
+            try:
+                reply = await run_in_pool(_logs_reply, self.node, frame)
+            except Exception:
+                logger.exception("log lines from %s failed", self.node.name if self.node else "?")
+                reply = error_frame("logs_failed", "the server could not store these lines; send them again",
+                                    frame.get("ship"))
+            await self.send_frame(reply)
+            if reply["type"] == protocol.ERROR:
+                self.bad_frames += 1
+                if self.bad_frames >= MAX_BAD_FRAMES:
+                    await self.close(code=protocol.CLOSE_PROTOCOL_ERROR)
+
     async def on_hello(self, frame: dict[str, Any]) -> None:
         """Fence workers for jobs no longer placed here, then replay every unacked command."""
         workers = [w for w in frame.get("workers", []) if isinstance(w, dict)]
-        frames = await database_sync_to_async(self._hello_frames)(workers)
+        inventory = frame.get("inventory") if isinstance(frame.get("inventory"), dict) else {}
+        frames = await database_sync_to_async(self._hello_frames)(workers, str(inventory.get("address") or ""))
         for item in frames:
             await self.send_frame(item)
 
-    def _hello_frames(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _hello_frames(self, workers: list[dict[str, Any]], address: str = "") -> list[dict[str, Any]]:
         assert self.node is not None
-        actions.record_agent_hello(self.node, workers)
+        actions.record_agent_hello(self.node, workers, address)
         commands = actions.claim_commands_for_dispatch(self.node.id, include_sent=True)
         return [actions.command_frame(c) for c in commands]
 

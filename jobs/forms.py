@@ -101,6 +101,54 @@ class AuditFilterForm(forms.Form):
         return self.is_valid() and any(self.cleaned_data.get(name) for name in self.fields)
 
 
+class EnvField(forms.Field):
+    """A job's extra environment as ``NAME=value`` lines, shown back as its names only.
+
+    No value is ever rendered, not even one just typed into a form that comes back with an
+    error (as a password input): a line ``NAME`` alone keeps the value the job has, ``NAME=value``
+    sets it, and a name left out is removed. What a name may be is ``workload_problems``'s rule.
+    """
+
+    widget = forms.Textarea(attrs={"rows": 4, "spellcheck": "false"})
+
+    def __init__(self, *, current: dict[str, str] | None = None, **kwargs: Any) -> None:
+        self.current = dict(current or {})
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("help_text", "One variable a line: NAME=value sets it, NAME alone keeps its value, "
+                                       "a name left out is removed. Values are never shown.")
+        super().__init__(**kwargs)
+
+    def prepare_value(self, value: Any) -> str:
+        if isinstance(value, dict):
+            return "\n".join(sorted(value))
+        return "\n".join(line.partition("=")[0].strip() for line in str(value or "").splitlines() if line.strip())
+
+    def to_python(self, value: Any) -> dict[str, str]:
+        if isinstance(value, dict):
+            return value
+        env: dict[str, str] = {}
+        for number, line in enumerate(str(value or "").splitlines(), 1):
+            if not line.strip():
+                continue
+            name, assigns, text = line.partition("=")
+            name = name.strip()
+            if name in env:
+                raise ValidationError(f"line {number}: {name} is listed twice")
+            if assigns:
+                env[name] = text
+            elif name in self.current:
+                env[name] = self.current[name]
+            else:
+                raise ValidationError(f"line {number}: {name} has no value yet: write {name}=VALUE")
+        return env
+
+    def has_changed(self, initial: Any, data: Any) -> bool:
+        try:
+            return self.to_python(data) != (initial or {})
+        except ValidationError:
+            return True
+
+
 class PlannerControlForm(forms.ModelForm):
     """Pause, dry run and the knobs; only changed fields are sent to set_planner_control."""
 

@@ -32,9 +32,10 @@ from telemetry.metrics import websocket_closed, websocket_opened
 
 logger = logging.getLogger(__name__)
 
-# Events that carry telemetry samples: batched and rate-limited. Everything else (decisions,
-# state changes) goes out at once, after any telemetry already buffered so order is kept.
-TELEMETRY_EVENTS = frozenset({"gpu_samples", "step_records", "telemetry", "gpu", "steps"})
+# Events that carry telemetry samples, and a job's log lines (``job_logs``, jobs.actions.logs,
+# as bursty): batched and rate-limited. Everything else (decisions, state changes) goes out at
+# once, after any telemetry already buffered so order is kept.
+TELEMETRY_EVENTS = frozenset({"gpu_samples", "step_records", "telemetry", "gpu", "steps", "job_logs"})
 MAX_SUBSCRIPTIONS = 256
 MAX_BUFFERED_PAYLOADS = 5000
 # Job owners remembered per socket (owners never change); beyond this the memory starts over.

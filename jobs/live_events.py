@@ -25,6 +25,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Q, Subquery
 from django.db.models.signals import post_save
 from django.utils import timezone
@@ -33,6 +34,8 @@ from jobs import live
 from jobs.audit import GENESIS_HASH, link_problem
 from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, job_group, node_group
 from jobs.models import Allocation, ElasticEvent, Job, Node, PlannerRun
+from jobs.planner.wording import bytes_words
+from jobs.snapshot import low_on_disk
 from jobs.vocab import EventKind
 from jobs.waiting import waiting_note
 
@@ -182,9 +185,23 @@ def _waiting(job: Job) -> dict[str, Any] | None:
             "reason": note["reason"], "cannot_fit": note["cannot_fit"]}
 
 
+def disk_note(node: Node) -> dict[str, Any] | None:
+    """A node's runs-dir space as the console shows it, or None when its agent never reported
+    it: ``text`` ("41 GiB free of 2 TiB"), and ``low`` with its ``warning`` when it is under
+    ``OMNI_MIN_FREE_DISK_BYTES`` (``jobs.snapshot.low_on_disk``, the planner's own test)."""
+    if node.disk_free_bytes is None:
+        return None
+    total = node.disk_total_bytes
+    text = f"{bytes_words(node.disk_free_bytes)} free" + (f" of {bytes_words(total)}" if total else "")
+    low = low_on_disk(node)
+    warning = (f"low disk: no new placements ({bytes_words(node.disk_free_bytes)} free in its runs dir, under "
+               f"the {bytes_words(settings.OMNI_MIN_FREE_DISK_BYTES)} minimum)") if low else ""
+    return {"free_bytes": node.disk_free_bytes, "total_bytes": total, "text": text, "low": low, "warning": warning}
+
+
 def node_summary(node: Node, held: dict[int, Allocation]) -> dict[str, Any]:
-    """A node on the cluster map: health, and who holds each GPU (``held``: GPU index -> its
-    allocation, with the job loaded), owned or borrowed."""
+    """A node on the cluster map: health, runs-dir space (``disk_note``), and who holds each GPU
+    (``held``: GPU index -> its allocation, with the job loaded), owned or borrowed."""
     return {
         "id": node.pk,
         "name": node.name,
@@ -192,6 +209,7 @@ def node_summary(node: Node, held: dict[int, Allocation]) -> dict[str, Any]:
         "switch": node.switch,
         "state": node.state,
         "state_label": node.get_state_display(),
+        "disk": disk_note(node),
         "gpus": [
             {
                 "index": i,

@@ -90,7 +90,9 @@ class Visibility(IntEnum):
 # What a researcher sees of other people's jobs, per OMNI_JOB_VISIBILITY (omniweb/settings.py).
 OTHERS_JOBS = {"summary": Visibility.SUMMARY, "all": Visibility.FULL, "own": Visibility.NONE}
 # A summary: who runs what, at which class, in which state, on how many GPUs. Labels are the same
-# fields in words; "visibility" says the rest was left out.
+# fields in words; "visibility" says the rest was left out. A list of what is kept, not of what
+# is dropped, so a field added to the job's record (its workload: entrypoint, workdir, env; its
+# failure and log lines) stays its owner's until it is named here.
 SUMMARY_FIELDS = ("id", "name", "owner", "priority", "priority_label", "state", "state_label", "gpus",
                   "borrowed_gpus")
 # How a job the viewer may not see at all is named where a GPU or a reservation refers to it.

@@ -19,6 +19,7 @@ from jobs.models.commands import TERMINAL_COMMAND_STATES
 from jobs.models.jobs import TERMINAL_JOB_STATES
 from jobs.planner import snapshot as ps
 from jobs.planner.config import PlannerConfig
+from jobs.vocab import CommandKind
 
 
 def epoch_s(value: datetime | None) -> float | None:
@@ -36,6 +37,7 @@ def planner_config(control: PlannerControl | None = None) -> PlannerConfig:
         heartbeat_timeout_s=settings.OMNI_HEARTBEAT_INTERVAL_S * settings.OMNI_HEARTBEAT_MISSES,
         # The planner's times are Unix seconds here: its sentences give them as clock times.
         wall_clock_zone=settings.TIME_ZONE or "UTC",
+        min_free_disk_bytes=settings.OMNI_MIN_FREE_DISK_BYTES,
     )
     overrides = getattr(settings, "OMNI_PLANNER_OVERRIDES", None) or {}
     return config.with_overrides(overrides) if overrides else config
@@ -54,7 +56,16 @@ def _node_row(node: Node) -> ps.Node:
         gpus=node.gpu_count,
         health=str(health),
         speed_factor=node.speed_factor,
+        low_disk=low_on_disk(node),
+        disk_free_bytes=node.disk_free_bytes,
     )
+
+
+def low_on_disk(node: Node) -> bool:
+    """Whether the node's runs dir, as its agent last reported it, has less free space than
+    ``OMNI_MIN_FREE_DISK_BYTES`` (docs/storage.md): it then takes no new work. Never reported:
+    not low (an agent too old to say is not shut out)."""
+    return node.disk_free_bytes is not None and node.disk_free_bytes < settings.OMNI_MIN_FREE_DISK_BYTES
 
 
 def _job_row(job: Job, holdings: tuple[ps.Holding, ...]) -> ps.Job:
@@ -87,6 +98,8 @@ def _job_row(job: Job, holdings: tuple[ps.Holding, ...]) -> ps.Job:
         queued_since_s=job.state_changed_at.timestamp() if waiting else None,
         holdings=holdings,
         preemptions=job.preemptions,
+        integration=job.integration,
+        grace_s=float(job.grace_s),
     )
 
 
@@ -147,8 +160,10 @@ def load_snapshot(now: datetime) -> ps.Snapshot:
         if (r.end_at is None or r.end_at > now) and not r.job.is_terminal
     ]
     pools = reservation_pools(reservations, nodes)
+    # A ``clean`` removes a finished job's run dir: nothing the planner waits for.
     commands = (
         Command.objects.exclude(state__in=TERMINAL_COMMAND_STATES)
+        .exclude(kind=CommandKind.CLEAN)
         .filter(job__isnull=False)
         .select_related("job")
         .order_by("created_at")

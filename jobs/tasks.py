@@ -51,3 +51,22 @@ def sweep_commands() -> None:
     dispatch lost with a broker or channel-layer outage is sent again from the outbox."""
     actions.expire_overdue_commands()
     actions.resend_pending_commands()
+
+
+@shared_task(name="jobs.sweep_run_dirs", ignore_result=True)
+def sweep_run_dirs() -> None:
+    """Ask an agent to remove each run dir of a cancelled or failed job past its retention
+    (docs/storage.md), and send the commands once they are committed."""
+    commands = actions.sweep_run_dirs(timezone.now())
+    for node_id in sorted({c.node_id for c in commands}):
+        actions.send_node_commands(node_id)
+    if commands:
+        logger.info("asked to remove %d run dirs past their retention", len(commands))
+
+
+@shared_task(name="jobs.prune_logs", ignore_result=True)
+def prune_logs() -> None:
+    """Delete the ranks' log lines older than ``OMNI_LOG_RETENTION_S`` (docs/logs.md)."""
+    deleted = actions.prune_logs(timezone.now())
+    if deleted:
+        logger.info("pruned %d log lines past their retention", deleted)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import wraps
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs import actions, roles
+from jobs.actions.jobs import entrypoint_words
 from jobs.audit import GENESIS_HASH, link_problem
 from jobs.forms import AuditFilterForm, JobFilterForm, PlannerControlForm, ReservationForm
 from jobs.live_consumers import payload_for_user
@@ -55,13 +56,16 @@ from jobs.live_data import (
     reservation_windows,
     utilisation_series,
 )
-from jobs.live_events import compact_nodes, describe_event, event_payload
+from jobs.live_events import compact_nodes, describe_event, disk_note, event_payload
 from jobs.models import (
+    REFERENCE_ENTRYPOINT,
     Allocation,
     ElasticEvent,
     EventKind,
     IllegalTransition,
+    Integration,
     Job,
+    JobLogLine,
     Node,
     NodeState,
     PlannerControl,
@@ -246,8 +250,61 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "range_key": range_key,
         "ranges": list(RANGES),
         "chart": chart,
+        **_job_logs_context(job),
+        "workload": _workload(job),
     }
     return render(request, "jobs/job_detail.html", context)
+
+
+def _workload(job: Job) -> dict[str, Any]:
+    """What runs on the job's GPUs (docs/workloads.md): the command, how it is stopped, the
+    environment's names (never its values)."""
+    signal_mode = job.integration == Integration.SIGNAL
+    return {
+        "command": entrypoint_words(job.entrypoint),
+        "reference": list(job.entrypoint) == list(REFERENCE_ENTRYPOINT),
+        "workdir": job.workdir or "the job's run dir",
+        "stop": (f"SIGTERM, {job.grace_s:g} s grace, then SIGKILL; not elastic" if signal_mode
+                 else "cooperative checkpoint-and-stop (Omni runtime); elastic by whole replicas"),
+        "integration": job.get_integration_display(),
+        "env_names": sorted(job.env),
+        "restarts": f"{job.restarts} of {job.max_restarts} used" if job.max_restarts else "none (max_restarts 0)",
+        "run_id": job.run_id,
+    }
+
+
+# The Logs panel (docs/logs.md): the newest lines rendered with the page, then followed live.
+LOG_PANEL_LINES = 200
+
+
+def _job_logs_context(job: Job) -> dict[str, Any]:
+    """The Logs panel's newest lines (oldest first), the ranks its filter offers, and the
+    failure box: one query, whatever the size of the log."""
+    lines = list(JobLogLine.objects.filter(job=job).order_by("-id")
+                 .only("id", "rank", "stream", "node", "at", "text")[:LOG_PANEL_LINES])[::-1]
+    # The ranks of the current layout, plus any an earlier, larger layout left in the lines.
+    top = max([job.gpus_wanted - 1, *(line.rank for line in lines)])
+    return {"log_lines": lines, "log_ranks": list(range(top + 1)), "log_panel_lines": LOG_PANEL_LINES,
+            "failure": failure_note(job.failure)}
+
+
+def failure_note(failure: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``Job.failure`` in words: "Rank 1 on node-b exited with code 1", its log's tail, when."""
+    if not failure:
+        return None
+    who = f"Rank {failure['rank']}" if isinstance(failure.get("rank"), int) else "torchrun"
+    if failure.get("signal"):
+        how = f"exited with signal {failure['signal']}"
+    elif failure.get("code") is not None:
+        how = f"exited with code {failure['code']}"
+    else:
+        how = "failed"
+    where = f" on {failure['node']}" if failure.get("node") else ""
+    at = failure.get("at")
+    if isinstance(at, (int, float)) and not isinstance(at, bool):
+        at = datetime.fromtimestamp(at, tz=UTC)
+    return {"sentence": f"{who}{where} {how}", "tail": str(failure.get("tail") or ""), "at": at,
+            "run_id": failure.get("run_id") or ""}
 
 
 @require_POST
@@ -267,8 +324,8 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _cluster_map(user, nodes: list[Node]) -> list[dict[str, Any]]:
-    """Racks -> switches -> nodes -> GPUs; a GPU held by a job the viewer may not see shows its
-    class (the cluster's occupancy) but not the job."""
+    """Racks -> switches -> nodes -> GPUs, with each node's runs-dir space; a GPU held by a job
+    the viewer may not see shows its class (the cluster's occupancy) but not the job."""
     racks: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for node in nodes:
         held = {a.gpu_index: a for a in node.allocations.all()}
@@ -284,7 +341,8 @@ def _cluster_map(user, nodes: list[Node]) -> list[dict[str, Any]]:
                 "borrowed": bool(allocation and allocation.borrowed_from_id),
                 "held": allocation is not None,
             })
-        racks.setdefault(node.rack, {}).setdefault(node.switch, []).append({"node": node, "gpus": gpus})
+        racks.setdefault(node.rack, {}).setdefault(node.switch, []).append(
+            {"node": node, "gpus": gpus, "disk": disk_note(node)})
     return [{"rack": rack, "switches": [{"switch": s, "nodes": n} for s, n in switches.items()]}
             for rack, switches in racks.items()]
 

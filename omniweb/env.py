@@ -122,6 +122,19 @@ def check_redis_url(name: str, url: str) -> str:
     return url
 
 
+def env_port_range(name: str, default: str) -> str:
+    """A port range ``LOW-HIGH`` (1024..65535, at least one port); anything else stops start-up."""
+    value = _raw(name) or default
+    low, sep, high = value.partition("-")
+    try:
+        first, last = int(low), int(high if sep else low)
+    except ValueError:
+        raise EnvError(f"{name}: expected a port range like 29400-29999, got {value!r}") from None
+    if not 1024 <= first <= last <= 65535:
+        raise EnvError(f"{name}: {value!r} is not a range within 1024-65535 (low first)")
+    return f"{first}-{last}"
+
+
 def _redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password:

@@ -53,7 +53,26 @@ def _telemetry_tasks() -> list[PeriodicTask]:
     ]
 
 
-PERIODIC_TASKS: list[PeriodicTask] = [*_control_loop_tasks(), *_telemetry_tasks()]
+def _retention_tasks() -> list[PeriodicTask]:
+    # Log lines past OMNI_LOG_RETENTION_S (docs/logs.md). Hourly is plenty for a retention of
+    # days; beat keeps its last run in its schedule file and the in-process loop runs it at
+    # start, so a restart delays it at most one interval. Idempotent, batched.
+    return [PeriodicTask("jobs.prune_logs", 3600.0, Queue.TELEMETRY, expires_s=600.0)]
+
+
+def _storage_tasks() -> list[PeriodicTask]:
+    # Run dirs of cancelled and failed jobs past OMNI_RUN_DIR_RETENTION_S (docs/storage.md): a
+    # tenth of the retention, at most every 10 minutes. Idempotent (a job with an open clean
+    # command is skipped), batched.
+    from django.conf import settings
+
+    sweep_s = min(600.0, max(5.0, settings.OMNI_RUN_DIR_RETENTION_S / 10.0))
+    return [PeriodicTask("jobs.sweep_run_dirs", sweep_s, Queue.CONTROL, expires_s=sweep_s)]
+
+
+PERIODIC_TASKS: list[PeriodicTask] = [
+    *_control_loop_tasks(), *_telemetry_tasks(), *_retention_tasks(), *_storage_tasks(),
+]
 
 
 def setup_periodic_tasks(app) -> None:

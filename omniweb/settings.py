@@ -21,6 +21,7 @@ from omniweb.env import (
     env_int,
     env_json_object,
     env_list,
+    env_port_range,
     env_str,
 )
 
@@ -60,6 +61,8 @@ try:
     OMNI_HEARTBEAT_INTERVAL_S = env_float("OMNI_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.1)
     OMNI_HEARTBEAT_MISSES = env_int("OMNI_HEARTBEAT_MISSES", 3, minimum=1)
     OMNI_COMMAND_ACK_TIMEOUT_S = env_float("OMNI_COMMAND_ACK_TIMEOUT_S", 15.0, minimum=0.1)
+    # Ports for jobs' torchrun rendezvous on their leader node (docs/workloads.md).
+    OMNI_RDZV_PORTS = env_port_range("OMNI_RDZV_PORTS", "29400-29999")
     OMNI_COMMAND_MAX_ATTEMPTS = env_int("OMNI_COMMAND_MAX_ATTEMPTS", 3, minimum=1)
     # Planner knob overrides as JSON, e.g. {"startup_s": 2, "reclaim_margin_s": 2} (tests, demo).
     OMNI_PLANNER_OVERRIDES = env_json_object("OMNI_PLANNER_OVERRIDES")
@@ -74,6 +77,14 @@ try:
     OMNI_JOB_VISIBILITY = env_str("OMNI_JOB_VISIBILITY", "summary")
     if OMNI_JOB_VISIBILITY not in ("summary", "all", "own"):
         raise EnvError(f"OMNI_JOB_VISIBILITY: expected summary/all/own, got {OMNI_JOB_VISIBILITY!r}")
+    # --- checkpoint storage hygiene (docs/storage.md) ----------------------------------------
+    # A node whose agent reports less free space than this in its runs dir takes no new work
+    # (what runs there stays); 0 turns the check off.
+    OMNI_MIN_FREE_DISK_BYTES = env_int("OMNI_MIN_FREE_DISK_BYTES", 2 * 1024**3, minimum=0)
+    # The run dirs of cancelled and failed jobs are removed this long after they finished.
+    OMNI_RUN_DIR_RETENTION_S = env_float("OMNI_RUN_DIR_RETENTION_S", 7 * 86400.0, minimum=0.0)
+    # How long the ranks' log lines are kept in the database (docs/logs.md); default 14 days.
+    OMNI_LOG_RETENTION_S = env_int("OMNI_LOG_RETENTION_S", 14 * 86400, minimum=60)
     # --- telemetry (docs/telemetry.md) -------------------------------------------------------
     OMNI_TELEMETRY_RAW_RETENTION_H = env_int("OMNI_TELEMETRY_RAW_RETENTION_H", 48, minimum=1)
     OMNI_TELEMETRY_MINUTE_RETENTION_D = env_int("OMNI_TELEMETRY_MINUTE_RETENTION_D", 30, minimum=1)
@@ -200,7 +211,10 @@ CSRF_COOKIE_SECURE = not DEBUG and not EMBEDDED
 X_FRAME_OPTIONS = "DENY"
 
 REST_FRAMEWORK = {
+    # API tokens first (manage.py issue_api_token; no CSRF, like DRF's TokenAuthentication), so a
+    # request without credentials is a 401 naming the Token scheme; the pages' session keeps CSRF.
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        "jobs.api.auth.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
         "rest_framework.authentication.BasicAuthentication",
     ],

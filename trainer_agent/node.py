@@ -2,10 +2,12 @@
 
 Runs on each GPU node (no Django here). It holds one WebSocket to the control plane
 (``/ws/agent/``), reports its inventory, sends a heartbeat with GPU samples every few seconds,
-and carries out commands: ``start``/``resume`` launch the reference trainer
-(``python -m trainer_agent.train``) for the job, ``preempt`` sends SIGTERM so the workers finish
-their step and checkpoint before the deadline, ``resize`` checkpoints and relaunches at the new
-DP, ``stop`` ends the workers. Every command is acknowledged on receipt and answered with a
+and carries out commands: ``start``/``resume`` launch this node's share of the job's code with
+torchrun (``trainer_agent.launch``: one torchrun per node, c10d rendezvous on the leader),
+``preempt`` and ``resize`` send SIGTERM to every rank (an ``omni`` job checkpoints and exits; a
+``signal`` job gets its grace, then SIGKILL), ``stop`` ends the ranks, ``clean`` removes a
+finished job's run dir. Exits are reported with the failing rank, its code and its log's tail;
+the ranks' logs are shipped as they grow (``trainer_agent.logship``). Every command is acknowledged on receipt and answered with a
 ``done`` frame carrying its outcome (checkpoint step, save seconds, error). Command ids already
 applied are ignored (the server delivers at least once). Step records from ``metrics.jsonl``
 are forwarded as they appear; while the server is away the workers keep running and records
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer_agent import protocol
+from trainer_agent import launch, protocol
 from trainer_agent.checkpoint import CheckpointStore
 
 logger = logging.getLogger("trainer_agent.node")
@@ -111,12 +113,21 @@ class WorkerHandle:
     step: int = 0
     resume_step: int = 0
     last_record: dict[str, Any] = field(default_factory=dict)
+    run_id: str = ""
+    integration: str = "omni"  # omni | signal (docs/workloads.md)
+    grace_s: float = 30.0
     stop_command: str | None = None
+    stop_kind: str | None = None
+    stop_payload: dict[str, Any] | None = None
     stop_deadline: float | None = None
+    term_at: float | None = None  # when SIGTERM was first sent
+    killed: bool = False
     exit_outcome: dict[str, Any] | None = None
 
     def utilisation(self) -> float:
         """Simulated GPU utilisation from the last step: compute share, low while saving/starting."""
+        if self.state == "running" and not self.last_record and self.integration == "signal":
+            return max(0.0, min(1.0, 0.85 + random.uniform(-0.03, 0.03)))  # no step records: nominal
         if self.state != "running" or not self.last_record:
             return 0.05 if self.state in ("starting", "stopping") else 0.0
         step_s = float(self.last_record.get("step_s") or 0.0)
@@ -126,61 +137,116 @@ class WorkerHandle:
         return max(0.0, min(1.0, 0.97 * compute_s / step_s + random.uniform(-0.02, 0.02)))
 
 
-class TorchJob:
-    """A job's real trainer on this node: the launcher process, its run dir and its records."""
+class TorchrunJob:
+    """This node's share of one run of a job: its torchrun, the ranks it started (found through
+    the rank wrapper's registry, trainer_agent/rank.py), their logs and their exit records."""
 
-    def __init__(self, handle: WorkerHandle, run_dir: Path, payload: dict[str, Any], python: str,
-                 device: str = "cpu") -> None:
+    def __init__(self, handle: WorkerHandle, runs_dir: Path, payload: dict[str, Any], python: str, node: str,
+                 device: str = "cpu", log_cap_bytes: int | None = None) -> None:
         self.handle = handle
-        self.run_dir = run_dir
         self.payload = payload
         self.python = python
+        self.node = node
         self.device = device
+        self.log_cap_bytes = log_cap_bytes
+        self.paths = launch.RunPaths.of(runs_dir, payload["job"], payload["run_id"], node)
+        self.run_dir = self.paths.run_dir
         self.proc: asyncio.subprocess.Process | None = None
+        self.signalled: dict[int, int] = {}  # rank wrapper pid -> last signal sent
+        self.exited_at: float | None = None
         self._offset = 0
         self._inode: int | None = None
 
+    @property
+    def integration(self) -> str:
+        return str(self.payload["workload"].get("integration", "omni"))
+
     def newest_checkpoint(self) -> int:
-        """The newest complete checkpoint step in the run dir (0 when none)."""
-        steps = CheckpointStore(self.run_dir / "checkpoints").complete_steps()
+        """The newest complete checkpoint step of an ``omni`` job's run dir (0 when none)."""
+        steps = CheckpointStore(self.paths.checkpoint_dir).complete_steps()
         return steps[-1] if steps else 0
 
     async def launch(self, dp: int) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "exit.json").unlink(missing_ok=True)
-        p = self.payload
-        argv = [self.python, "-m", "trainer_agent.train", "--run-dir", str(self.run_dir),
-                "--steps", str(p["total_steps"]), "--dp", str(dp),
-                "--global-batch", str(p["global_batch"]), "--micro-batch", str(p["micro_batch"]),
-                "--checkpoint-every", str(max(1, int(p.get("checkpoint_every", 10)))), "--device", self.device]
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        if self.device == "cuda" and p.get("gpus"):
-            # The workers see only the GPUs the control plane gave this job on this node.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p["gpus"])
-        self.handle.resume_step = self.newest_checkpoint()
+        paths = self.paths
+        for directory in (paths.run_dir, paths.checkpoint_dir, paths.log_dir, paths.state_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        if self.handle.leader:
+            (paths.run_dir / "exit.json").unlink(missing_ok=True)
+        env = launch.rank_env(self.payload, self.node, paths, dict(os.environ), device=self.device,
+                              log_cap_bytes=self.log_cap_bytes)
+        argv = launch.torchrun_argv(self.payload, self.node, self.python)
+        workdir = self.payload["workload"].get("workdir") or str(paths.run_dir)
+        self.handle.resume_step = self.newest_checkpoint() if self.integration == "omni" else 0
         self.handle.step = self.handle.resume_step
         self.handle.state = "starting"
-        log = open(self.run_dir / "launcher.log", "ab")  # noqa: SIM115 - handed to the child
-        # Own process group (signals reach launcher and workers together), and death with the
-        # agent: a dead agent stands for a dead node, whose workers must not write on.
-        self.proc = await asyncio.create_subprocess_exec(*argv, stdout=log, stderr=log, env=env,
-                                                         start_new_session=True, preexec_fn=_die_with_agent)
-        log.close()
+        log = open(paths.log_dir / "torchrun.log", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            # Own process group, and death with the agent: a dead agent stands for a dead node,
+            # whose ranks must not write on (each rank wrapper dies with torchrun in turn).
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, cwd=workdir, stdout=log, stderr=log, env=env, stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_agent,
+            )
+        finally:
+            log.close()
         self._offset, self._inode = 0, None
 
-    def signal(self, signum: int) -> None:
-        if self.proc is not None and self.proc.returncode is None:
+    # -- the ranks ---------------------------------------------------------------------------
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """The ranks of this run on this node that have registered (rank, pid, child...)."""
+        out = []
+        for path in sorted(self.paths.state_dir.glob("rank-*.json")):
+            if path.name.endswith(".exit.json"):
+                continue
             try:
-                os.killpg(self.proc.pid, signum)
-            except ProcessLookupError:
-                pass
+                entry = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("pid"), int):
+                out.append(entry)
+        return out
+
+    def live_pids(self) -> list[int]:
+        """Rank wrappers and their children still alive (each wrapper leads its process group)."""
+        pids = []
+        for entry in self.ranks():
+            for pid in (entry.get("pid"), entry.get("child")):
+                if isinstance(pid, int) and _pid_alive(pid):
+                    pids.append(pid)
+        return pids
+
+    def signal(self, signum: int) -> None:
+        """SIGTERM/SIGUSR1: to every rank (its wrapper passes it on); SIGKILL: every rank's whole
+        process group and torchrun's."""
+        if signum == signal.SIGKILL:
+            for entry in self.ranks():
+                _killpg(entry.get("pid"), signal.SIGKILL)
+                _kill(entry.get("child"), signal.SIGKILL)
+            if self.proc is not None and self.proc.returncode is None:
+                _killpg(self.proc.pid, signal.SIGKILL)
+            return
+        for entry in self.ranks():
+            pid = entry.get("pid")
+            if isinstance(pid, int) and self.signalled.get(pid) != signum:
+                self.signalled[pid] = signum
+                _kill(pid, signum)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        if self.proc is not None and self.proc.returncode is None:
+            return True
+        return bool(self.live_pids())
+
+    def running_ranks(self) -> int:
+        return sum(1 for entry in self.ranks() if _pid_alive(entry.get("child")))
+
+    # -- what the run reports ----------------------------------------------------------------
 
     def read_new_records(self) -> list[dict[str, Any]]:
-        """Records appended to metrics.jsonl since the last call (the file may be rewritten)."""
+        """Step records appended to metrics.jsonl since the last call (the leader forwards them;
+        the file may be rewritten when a run resumes)."""
+        if not self.handle.leader:
+            return []
         path = self.run_dir / "metrics.jsonl"
         try:
             stat = path.stat()
@@ -208,10 +274,34 @@ class TorchJob:
         return out
 
     def exit_info(self) -> dict[str, Any]:
+        """An ``omni`` run's outcome (exit.json, written by rank 0 on shared storage)."""
         try:
             return json.loads((self.run_dir / "exit.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
+
+    def returncode(self) -> int:
+        return self.proc.returncode if self.proc is not None and self.proc.returncode is not None else 0
+
+    def failure(self) -> dict[str, Any]:
+        """The first rank on this node that exited non-zero: rank, code, signal, the last lines
+        of its log. Falls back to torchrun's own log when no rank got that far."""
+        exits = []
+        for path in self.paths.state_dir.glob("rank-*.exit.json"):
+            try:
+                entry = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(entry, dict) and entry.get("code"):
+                exits.append(entry)
+        if exits:
+            first = min(exits, key=lambda e: float(e.get("at") or 0.0))
+            rank = int(first.get("rank", -1))
+            tail = _tail(self.paths.log_dir / f"rank-{rank}.err") or _tail(self.paths.log_dir / f"rank-{rank}.out")
+            return {"rank": rank, "code": first.get("code"), "signal": first.get("signal"), "at": first.get("at"),
+                    "tail": tail}
+        return {"rank": None, "code": self.returncode(), "signal": None, "at": time.time(),
+                "tail": _tail(self.paths.log_dir / "torchrun.log")}
 
 
 class SimulatedJob:
@@ -304,7 +394,8 @@ class NodeAgent:
 
     def __init__(self, server: str, token: str, *, node: str = "", gpus: GpuInventory, runs_dir: Path,
                  simulated_workers: bool = False, time_scale: float = 1.0, heartbeat_s: float | None = None,
-                 python: str = sys.executable, device: str = "auto") -> None:
+                 python: str = sys.executable, device: str = "auto", address: str = "",
+                 log_cap_bytes: int | None = None) -> None:
         self.server = server.rstrip("/")
         self.token = token
         self.node = node
@@ -315,7 +406,10 @@ class NodeAgent:
         self.heartbeat_s = heartbeat_s or 5.0
         self.python = python
         self.device = ("cuda" if gpus.nvml else "cpu") if device == "auto" else device
-        self.jobs: dict[str, TorchJob | SimulatedJob] = {}
+        self.address = address
+        self.log_cap_bytes = log_cap_bytes
+        self.shipper = _log_shipper()
+        self.jobs: dict[str, TorchrunJob | SimulatedJob] = {}
         self.members: dict[str, list[int]] = {}
         self.applied: collections.OrderedDict[str, dict[str, Any] | None] = collections.OrderedDict()
         self.control_out: collections.deque[dict[str, Any]] = collections.deque()
@@ -354,6 +448,9 @@ class NodeAgent:
             frame = self.control_out[0]
             await ws.send(protocol.dumps(frame))
             self.control_out.popleft()
+        if self.shipper is not None:
+            for frame in self.shipper.frames():
+                await ws.send(protocol.dumps(frame))
         now = time.monotonic()
         if not self.records_out or (now - self._records_sent_at < RECORD_FLUSH_S
                                     and len(self.records_out) < protocol.MAX_RECORDS_PER_FRAME):
@@ -386,8 +483,9 @@ class NodeAgent:
         out = []
         for name, job in self.jobs.items():
             h = job.handle
-            out.append({"job": name, "state": h.state, "step": h.step,
-                        "checkpoint_step": job.newest_checkpoint() if h.leader else None, "gpus": h.gpus})
+            checkpoint = job.newest_checkpoint() if h.leader and h.integration == "omni" else None
+            out.append({"job": name, "state": h.state, "step": h.step, "checkpoint_step": checkpoint, "gpus": h.gpus,
+                        "run_id": h.run_id, "leader": h.leader})
         for name, gpus in self.members.items():
             out.append({"job": name, "state": "member", "gpus": gpus})
         return out
@@ -404,9 +502,15 @@ class NodeAgent:
 
     def heartbeat_frame(self) -> dict[str, Any]:
         self.seq += 1
-        return {"type": protocol.HEARTBEAT, "seq": self.seq, "boot": self.boot, "sent_at": time.time(),
-                "gpus": self.gpus.samples(self._busy()), "workers": self._workers_report(),
-                "dropped_records": self.dropped_records}
+        frame = {"type": protocol.HEARTBEAT, "seq": self.seq, "boot": self.boot, "sent_at": time.time(),
+                 "gpus": self.gpus.samples(self._busy()), "workers": self._workers_report(),
+                 "dropped_records": self.dropped_records}
+        disk = _runs_dir_usage(self.runs_dir)
+        if disk:
+            frame["disk"] = disk
+        if self.shipper is not None:
+            frame["log_backlog_bytes"] = self.shipper.pending_bytes()
+        return frame
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -460,9 +564,12 @@ class NodeAgent:
         if welcome.get("heartbeat_interval_s"):
             self.heartbeat_s = float(welcome["heartbeat_interval_s"])
         self.ws = ws
+        if self.shipper is not None:
+            self.shipper.on_disconnect()  # whatever the last session did not get acknowledged goes again
         await ws.send(protocol.dumps({
             "type": protocol.HELLO, "protocol": protocol.PROTOCOL_VERSION, "node": self.node,
-            "inventory": {"gpus": self.gpus.describe(), "hostname": socket.gethostname()},
+            "inventory": {"gpus": self.gpus.describe(), "hostname": socket.gethostname(),
+                          "address": self.address or _local_address(ws)},
             "workers": self._workers_report(), "applied": list(self.applied)[-50:],
         }))
         await ws.send(protocol.dumps(self.heartbeat_frame()))
@@ -476,6 +583,8 @@ class NodeAgent:
                 continue
             if frame.get("type") == protocol.COMMAND:
                 await self.on_command(frame)
+            elif frame.get("type") == getattr(protocol, "LOGS_ACK", "logs_ack") and self.shipper is not None:
+                self.shipper.on_ack(frame)
             elif frame.get("type") == protocol.ERROR:
                 logger.warning("server error: %s %s", frame.get("code"), frame.get("message"))
             await self._flush()
@@ -539,7 +648,9 @@ class NodeAgent:
         logger.info("applying command %s on %s: %s %s (attempt %s)", command_id, self.node, kind, job,
                     frame.get("attempt"))
         try:
-            if not payload.get("leader", True):
+            if kind == "clean":
+                self._clean(command_id, job)
+            elif self._simulates(payload) and not payload.get("leader", True):
                 await self._member(command_id, kind, job, payload)
             elif kind in ("start", "resume"):
                 await self._start(command_id, job, payload)
@@ -552,7 +663,8 @@ class NodeAgent:
             self._done(command_id, False, error=f"{type(exc).__name__}: {exc}")
 
     async def _member(self, command_id: str, kind: str, job: str, payload: dict[str, Any]) -> None:
-        """Another node leads the job: only track which of our GPUs it uses."""
+        """Simulated workers: another node leads the job and plays all of it; only track which of
+        our GPUs it uses."""
         if kind in ("start", "resume", "resize") and payload.get("gpus"):
             self.members[job] = list(payload["gpus"])
         else:
@@ -561,15 +673,41 @@ class NodeAgent:
             self.jobs[job].signal(signal.SIGKILL)
         self._done(command_id, True)
 
+    def _clean(self, command_id: str, job: str) -> None:
+        """Remove a finished job's run dir (the control plane asks after the retention period)."""
+        worker = self.jobs.get(job)
+        if worker is not None and worker.alive():
+            self._done(command_id, False, error=f"{job} still has live ranks on {self.node}; not removed")
+            return
+        from trainer_agent.housekeeping import remove_run_dir
+
+        self._done(command_id, True, **remove_run_dir(self.runs_dir, job))
+
     async def _start(self, command_id: str, job: str, payload: dict[str, Any]) -> None:
         current = self.jobs.get(job)
         if current is not None and current.alive():
-            self._done(command_id, True, step=current.handle.step, outcome="already running")
-            return
+            same_run = isinstance(current, SimulatedJob) or current.payload.get("run_id") == payload.get("run_id")
+            if same_run:
+                self._done(command_id, True, step=current.handle.step, outcome="already running")
+                return
+            # A new run while ranks of an old one live on here: they must not meet the new world.
+            logger.warning("%s: ranks of run %s still alive; killing them before run %s", job,
+                           current.payload.get("run_id"), payload.get("run_id"))
+            await self._kill_and_wait(current)
         started = time.perf_counter()
         handle = await self._launch(job, payload)
         self._done(command_id, True, checkpoint_step=handle.resume_step, step=handle.resume_step,
-                   load_s=round(time.perf_counter() - started, 4), outcome="launched")
+                   load_s=round(time.perf_counter() - started, 4), outcome="launched",
+                   run_id=payload.get("run_id"))
+
+    async def _kill_and_wait(self, worker: TorchrunJob | SimulatedJob, timeout_s: float = 10.0) -> None:
+        worker.signal(signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while worker.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if isinstance(worker, TorchrunJob):
+            self.shipper_finish(worker)
+        self.jobs.pop(worker.handle.job, None)
 
     async def _stop(self, command_id: str, kind: str, job: str, payload: dict[str, Any], deadline: float | None) -> None:
         worker = self.jobs.get(job)
@@ -578,7 +716,7 @@ class NodeAgent:
             step = worker.newest_checkpoint() if worker is not None else None
             if step is None:
                 step = _newest_checkpoint_on_disk(self.runs_dir / _safe(job))
-            if kind == "resize" and payload.get("relaunch"):
+            if kind == "resize" and payload.get("relaunch") and isinstance(worker, SimulatedJob):
                 await self._relaunch(command_id, job, payload, step)
             else:
                 self.jobs.pop(job, None)
@@ -587,12 +725,20 @@ class NodeAgent:
         h = worker.handle
         h.state = "stopping"
         h.stop_command = command_id
-        h.stop_deadline = deadline
+        h.stop_kind = kind
+        h.stop_payload = payload
+        h.term_at = time.time()
         if kind == "stop" and payload.get("kill"):
             worker.signal(signal.SIGKILL)
+            h.killed = True
+            return
+        # SIGTERM to every rank: an ``omni`` rank finishes its step and checkpoints (the ranks
+        # agree on the step); a ``signal`` rank does whatever its script does, within grace_s.
+        worker.signal(signal.SIGTERM)
+        if h.integration == "signal" or kind == "stop":
+            h.stop_deadline = h.term_at + h.grace_s
         else:
-            worker.signal(signal.SIGTERM)
-        h.exit_outcome = {"kind": kind, "payload": payload, "asked_at": time.perf_counter()}
+            h.stop_deadline = (deadline + 1.0) if deadline else None
 
     async def _relaunch(self, command_id: str, job: str, payload: dict[str, Any], step: int) -> None:
         dp = int(payload.get("dp_after") or payload.get("dp"))
@@ -600,38 +746,67 @@ class NodeAgent:
         self._done(command_id, True, checkpoint_step=step, outcome="relaunched", dp=dp)
 
     async def _launch(self, job: str, payload: dict[str, Any]) -> WorkerHandle:
-        handle = WorkerHandle(job=job, gpus=list(payload.get("gpus", [])), leader=True)
+        workload = payload.get("workload") or {}
+        handle = WorkerHandle(job=job, gpus=list(payload.get("gpus", [])), leader=bool(payload.get("leader", True)),
+                              run_id=str(payload.get("run_id") or ""),
+                              integration=str(workload.get("integration") or "omni"),
+                              grace_s=float(workload.get("grace_s") or 30.0))
         run_dir = self.runs_dir / _safe(job)
-        worker: TorchJob | SimulatedJob
-        if self.simulated_workers or _has_only_simulated_history(run_dir):
+        worker: TorchrunJob | SimulatedJob
+        if self._simulates(payload) or _has_only_simulated_history(run_dir):
             # A job that so far ran on simulated nodes has no state a real trainer could load:
             # it stays simulated here too rather than silently restarting from step 0.
             worker = SimulatedJob(handle, run_dir, payload, self.time_scale)
         else:
-            worker = TorchJob(handle, run_dir, payload, self.python, self.device)
+            worker = TorchrunJob(handle, self.runs_dir, payload, self.python, self.node, self.device,
+                                 log_cap_bytes=self.log_cap_bytes)
         self.jobs[job] = worker
         await worker.launch(int(payload["dp"]))
+        if isinstance(worker, TorchrunJob) and self.shipper is not None:
+            self.shipper.watch(job, handle.run_id, worker.paths.log_dir)
         return handle
+
+    def _simulates(self, payload: dict[str, Any]) -> bool:
+        """Whether this agent plays the job without torch: with ``--simulated-workers``, the
+        reference workload is simulated; a researcher's own script cannot be, and runs for real."""
+        if "placement" not in payload:
+            return True
+        entrypoint = list((payload.get("workload") or {}).get("entrypoint") or launch.REFERENCE_ENTRYPOINT)
+        return self.simulated_workers and entrypoint[:2] == list(launch.REFERENCE_ENTRYPOINT)
+
+    def shipper_finish(self, worker: TorchrunJob) -> None:
+        if self.shipper is not None:
+            self.shipper.finish(worker.handle.job, worker.handle.run_id)
 
     # -- supervising the workers ------------------------------------------------------------------
 
     async def _supervise(self) -> None:
-        """Forward new step records, notice exits, enforce preempt deadlines."""
+        """Forward new step records, notice exits, enforce stop deadlines and grace periods."""
         while True:
             await asyncio.sleep(0.2)
             for name, worker in list(self.jobs.items()):
                 records = worker.read_new_records()
-                if records:
-                    worker.handle.step = max(r["step"] for r in records)
-                    worker.handle.last_record = records[-1]
-                    if worker.handle.state == "starting":
-                        worker.handle.state = "running"
-                    self.queue_records(name, records)
                 h = worker.handle
-                if h.stop_deadline is not None and worker.alive() and time.time() > h.stop_deadline + 1.0:
-                    worker.signal(signal.SIGKILL)
-                    h.stop_deadline = None
-                if not worker.alive() and worker.__class__ is TorchJob and worker.proc is not None:
+                if records:
+                    h.step = max(r["step"] for r in records)
+                    h.last_record = records[-1]
+                    self.queue_records(name, records)
+                if h.state == "starting" and (records or (isinstance(worker, TorchrunJob) and worker.running_ranks())):
+                    h.state = "running"
+                if h.state == "stopping" and worker.alive():
+                    if h.stop_deadline is not None and time.time() > h.stop_deadline:
+                        logger.warning("%s: ranks still alive %.1fs after SIGTERM; SIGKILL", name, time.time() - h.term_at)
+                        worker.signal(signal.SIGKILL)
+                        h.killed = True
+                        h.stop_deadline = None
+                    elif not h.killed:
+                        worker.signal(signal.SIGTERM)  # ranks that registered after the first SIGTERM
+                if isinstance(worker, TorchrunJob) and worker.proc is not None and worker.proc.returncode is not None:
+                    if worker.live_pids():
+                        # torchrun is gone but a rank is not (it ignored torchrun's stop): no rank
+                        # outlives its node's torchrun.
+                        worker.signal(signal.SIGKILL)
+                        continue
                     await self._on_exit(name, worker)
                 elif isinstance(worker, SimulatedJob) and worker.task is not None and worker.task.done():
                     await self._on_exit(name, worker)
@@ -641,51 +816,128 @@ class NodeAgent:
                 except Exception:
                     pass
 
-    async def _on_exit(self, name: str, worker: TorchJob | SimulatedJob) -> None:
+    async def _on_exit(self, name: str, worker: TorchrunJob | SimulatedJob) -> None:
         records = worker.read_new_records()
         if records:
             self.queue_records(name, records)
         h = worker.handle
-        info = worker.exit_info() if not getattr(worker, "killed", False) else {}
-        returncode = worker.proc.returncode if isinstance(worker, TorchJob) and worker.proc else 0
-        checkpoint_step = worker.newest_checkpoint()
         del self.jobs[name]
+        if isinstance(worker, SimulatedJob):
+            await self._simulated_exit(name, worker)
+            return
+        self.shipper_finish(worker)
+        returncode = worker.returncode()
+        omni = h.integration == "omni"
+        info = worker.exit_info() if omni and h.leader else {}
+        checkpoint_step = worker.newest_checkpoint() if omni else None
+        facts: dict[str, Any] = {"run_id": h.run_id, "code": returncode, "leader": h.leader}
         if h.stop_command is not None:
-            asked = h.exit_outcome if isinstance(h.exit_outcome, dict) and "kind" in h.exit_outcome else {}
-            kind = asked.get("kind", "preempt")
-            payload = asked.get("payload", {})
-            saved = returncode == 0 and info.get("outcome") in ("preempted", "completed", "resize")
+            exit_s = round(time.time() - h.term_at, 3) if h.term_at else None
+            facts.update(checkpoint_step=checkpoint_step, save_s=info.get("save_s"), step=info.get("step"),
+                         exit_s=exit_s, grace_s=h.grace_s, killed=h.killed)
+            if h.killed:
+                facts["outcome"] = "killed"
+                facts["error"] = (f"ranks did not exit within grace_s {h.grace_s:g} s of SIGTERM; killed"
+                                  if not omni else f"ranks did not checkpoint by the deadline; killed after {exit_s} s")
+            elif omni:
+                facts["outcome"] = info.get("outcome") or f"exit {returncode}"
+            else:
+                facts["outcome"] = "exited" if returncode == 0 else f"exit {returncode}"
+            if h.stop_kind == "stop":
+                ok = True
+            elif omni and h.leader:
+                ok = returncode == 0 and info.get("outcome") in ("preempted", "completed", "resize")
+            elif omni:
+                ok = returncode == 0 and not h.killed
+            else:
+                # Signal mode: whatever the script does with SIGTERM (save and exit 0, or die of
+                # it), leaving within grace is a graceful stop; only the SIGKILL is not.
+                ok = not h.killed
+            if not ok and "error" not in facts:
+                failure = worker.failure()
+                facts["error"] = f"ranks exited with code {returncode} before a checkpoint: {failure.get('tail', '')[-300:]}"
+            self._done(h.stop_command, ok, **facts)
+            return
+        if returncode == 0:
+            outcome = "completed"
+            if omni and h.leader and info.get("outcome") == "preempted":
+                outcome = "stopped"  # a signal from outside Omni stopped it at a checkpoint
+            self.queue_control({"type": protocol.EXIT, "job": name,
+                                "outcome": {**facts, "outcome": outcome, "step": info.get("step"),
+                                            "checkpoint_step": checkpoint_step}})
+            return
+        failure = worker.failure()
+        self.queue_control({"type": protocol.EXIT, "job": name, "outcome": {
+            **facts, "outcome": "failed", "code": failure.get("code") or returncode, "rank": failure.get("rank"),
+            "signal": failure.get("signal"), "at": failure.get("at"), "error": failure.get("tail") or f"exit code {returncode}",
+            "checkpoint_step": checkpoint_step,
+        }})
+
+    async def _simulated_exit(self, name: str, worker: SimulatedJob) -> None:
+        h = worker.handle
+        info = worker.exit_info() if not worker.killed else {}
+        checkpoint_step = worker.newest_checkpoint()
+        if h.stop_command is not None:
             outcome = {"checkpoint_step": checkpoint_step, "save_s": info.get("save_s"), "step": info.get("step"),
-                       "outcome": info.get("outcome") or f"exit {returncode}"}
-            if kind == "resize" and payload.get("relaunch") and saved:
-                await self._relaunch(h.stop_command, name, payload, checkpoint_step)
+                       "outcome": info.get("outcome") or "killed"}
+            if h.stop_kind == "resize" and (h.stop_payload or {}).get("relaunch") and info:
+                await self._relaunch(h.stop_command, name, h.stop_payload or {}, checkpoint_step)
                 return
-            if kind == "stop":
-                self._done(h.stop_command, True, **outcome)
-            elif saved:
+            saved = info.get("outcome") in ("preempted", "completed")
+            if h.stop_kind == "stop" or saved:
                 self._done(h.stop_command, True, **outcome)
             else:
-                self._done(h.stop_command, False, error=f"workers exited without a checkpoint (code {returncode})",
-                           **outcome)
+                self._done(h.stop_command, False, error="workers exited without a checkpoint", **outcome)
             return
-        if returncode == 0 and info.get("outcome") == "completed":
+        if info.get("outcome") == "completed":
             self.queue_control({"type": protocol.EXIT, "job": name,
-                                "outcome": {"outcome": "completed", "step": info.get("step"),
-                                            "checkpoint_step": checkpoint_step}})
-        elif returncode == 0 and info.get("outcome") == "preempted":
-            pass  # stopped by a signal that was not a command of ours (an operator): nothing to report
-        else:
-            tail = _tail(worker.run_dir / "launcher.log") if isinstance(worker, TorchJob) else ""
-            self.queue_control({"type": protocol.EXIT, "job": name,
-                                "outcome": {"outcome": "failed", "step": info.get("step"), "code": returncode,
-                                            "error": tail or f"exit code {returncode}",
+                                "outcome": {"outcome": "completed", "step": info.get("step"), "leader": True,
                                             "checkpoint_step": checkpoint_step}})
 
     def shutdown(self) -> None:
-        """A stopping agent asks its workers to checkpoint and exit (SIGTERM)."""
+        """A stopping agent asks its ranks to checkpoint and exit (SIGTERM); ``drain`` waits."""
         self.stopping = True
         for worker in self.jobs.values():
+            worker.handle.term_at = worker.handle.term_at or time.time()
             worker.signal(signal.SIGTERM)
+
+    async def drain(self, timeout_s: float) -> None:
+        """After ``shutdown``: wait up to ``timeout_s`` for the ranks, then kill what is left, so
+        no rank outlives its agent."""
+        deadline = time.monotonic() + timeout_s
+        while any(w.alive() for w in self.jobs.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for worker in self.jobs.values():
+            if worker.alive():
+                worker.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while any(w.alive() for w in self.jobs.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+def _log_shipper() -> Any:
+    try:
+        from trainer_agent.logship import LogShipper
+    except ImportError:  # pragma: no cover - the module ships with the agent
+        return None
+    return LogShipper()
+
+
+def _runs_dir_usage(runs_dir: Path) -> dict[str, int] | None:
+    try:
+        from trainer_agent.housekeeping import runs_dir_usage
+
+        return runs_dir_usage(runs_dir)
+    except (ImportError, OSError):
+        return None
+
+
+def _local_address(ws: Any) -> str:
+    """The address this node reaches the control plane from: where other nodes reach it too."""
+    try:
+        return str(ws.local_address[0])
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def _die_with_agent() -> None:
@@ -704,8 +956,7 @@ def _finite(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _safe(job: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+_safe = launch.safe_name
 
 
 def _newest_checkpoint_on_disk(run_dir: Path) -> int:
@@ -724,11 +975,43 @@ def _has_only_simulated_history(run_dir: Path) -> bool:
     return (run_dir / SIM_CHECKPOINT).exists() and not real
 
 
-def _tail(path: Path, limit: int = 600) -> str:
+def _tail(path: Path, limit: int = 4000, lines: int = 40) -> str:
+    """The last lines of a log file (at most ``lines`` lines and ``limit`` bytes)."""
     try:
-        return path.read_bytes()[-limit:].decode("utf-8", "replace").strip()
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - limit))
+            data = fh.read()
     except OSError:
         return ""
+    return "\n".join(data.decode("utf-8", "replace").strip().splitlines()[-lines:])
+
+
+def _pid_alive(pid: Any) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def _kill(pid: Any, signum: int) -> None:
+    if isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _killpg(pid: Any, signum: int) -> None:
+    if isinstance(pid, int) and pid > 0:
+        try:
+            os.killpg(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -747,6 +1030,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated step time multiplier")
     p.add_argument("--trainer-device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="device for real trainers; auto: cuda when NVML reports GPUs")
+    p.add_argument("--python", default=sys.executable,
+                   help="the Python that runs jobs' .py and -m entrypoints (default: this agent's)")
+    p.add_argument("--address", default=os.environ.get("OMNI_NODE_ADDRESS", ""),
+                   help="address other nodes reach this one at, for rendezvous (default: the one facing the server)")
+    p.add_argument("--log-cap-bytes", type=int, default=64 << 20, help="size cap of each rank's stdout/stderr file")
     p.add_argument("--virtual-nodes", help="JSON file [{node, token, gpus}]: run all as simulated nodes here")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -772,7 +1060,8 @@ async def _main_async(args: argparse.Namespace) -> int:
         return 2
     agent = NodeAgent(args.server, token, node=args.node, gpus=GpuInventory(args.simulate_gpus), runs_dir=runs_dir,
                       simulated_workers=args.simulated_workers, time_scale=args.time_scale,
-                      device=args.trainer_device)
+                      device=args.trainer_device, python=args.python, address=args.address,
+                      log_cap_bytes=args.log_cap_bytes)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -783,6 +1072,9 @@ async def _main_async(args: argparse.Namespace) -> int:
     if runner in done:
         return runner.result()
     agent.shutdown()
+    # Ranks get their grace to checkpoint and exit (the agent keeps reporting meanwhile); none
+    # outlives the agent.
+    await agent.drain(max([w.handle.grace_s for w in agent.jobs.values()] + [10.0]))
     runner.cancel()
     return 0
 

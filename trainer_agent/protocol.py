@@ -27,14 +27,22 @@ ACK = "ack"
 DONE = "done"
 STEPS = "steps"
 EXIT = "exit"
+LOGS = "logs"  # lines of the ranks' log files (trainer_agent.logship, docs/logs.md)
 # Server -> agent.
 WELCOME = "welcome"
 COMMAND = "command"
 ERROR = "error"
+LOGS_ACK = "logs_ack"  # a ``logs`` frame stored (or refused): its ``ship`` id
 
-COMMAND_KINDS = ("start", "preempt", "resize", "resume", "stop")
+COMMAND_KINDS = ("start", "preempt", "resize", "resume", "stop", "clean")
 MAX_FRAME_BYTES = 1 << 20
 MAX_RECORDS_PER_FRAME = 500
+# Log frames (docs/logs.md). Sizes are bytes of the rank's file; a frame's JSON stays under
+# MAX_FRAME_BYTES even when every byte is escaped (\u0000: 6 characters).
+LOG_STREAMS = ("out", "err")
+MAX_LOG_FRAME_BYTES = 128 * 1024
+MAX_LOG_LINE_BYTES = 16 * 1024
+MAX_LOG_LINES_PER_FRAME = 10_000
 
 
 class ProtocolError(ValueError):

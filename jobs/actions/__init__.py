@@ -8,18 +8,23 @@ bad input raises ``ValidationError`` (400), the wrong role ``PermissionDenied`` 
 One module per domain; callers use this package's names (``actions.submit_job``):
 
 - ``jobs``: submit, cancel, edit (an operator's) and place jobs;
+- ``accounts``: add a user with a role, issue an API token (the operators' commands);
 - ``reservations``: create, edit and cancel reservations;
 - ``nodes``: register, edit, remove; cordon, uncordon, drain, repair; heartbeat verdicts (suspect,
   failed);
 - ``planner_pass``: the planner pass that applies a plan, and the planner's controls;
 - ``commands``: the command outbox: write, claim, send, acknowledge, outcome, expire;
 - ``agents``: what agents report: hello, heartbeats, step records, worker exits; fencing;
-- ``edits``: what an operator's edit of a node or a job shares (the checked copy, before/after).
+- ``edits``: what an operator's edit of a node or a job shares (the checked copy, before/after);
+- ``logs``: the ranks' log lines agents ship (stored once, sent live) and their pruning;
+- ``housekeeping``: checkpoint storage hygiene: the run dirs of cancelled and failed jobs
+  removed after retention, audited (docs/storage.md).
 
 Actions never import ``jobs.tasks``: a pass they need after commit is triggered by task name.
 """
 
 from jobs.actions._common import describe_changes
+from jobs.actions.accounts import add_user, issue_api_token
 from jobs.actions.agents import (
     fence_stray_workers,
     record_agent_hello,
@@ -39,6 +44,7 @@ from jobs.actions.commands import (
     resend_pending_commands,
     send_node_commands,
 )
+from jobs.actions.housekeeping import record_run_dir_removed, sweep_run_dirs
 from jobs.actions.jobs import (
     JOB_EDITABLE_UNTIL_DONE,
     JOB_EDITABLE_WHILE_PENDING,
@@ -49,6 +55,7 @@ from jobs.actions.jobs import (
     place_job,
     submit_job,
 )
+from jobs.actions.logs import LogsRefused, prune_logs, record_log_lines
 from jobs.actions.nodes import (
     NODE_EDITABLE,
     cordon_node,
@@ -81,6 +88,8 @@ from jobs.models.commands import CommandState
 from jobs.models.states import IllegalTransition
 
 __all__ = [
+    "add_user",
+    "issue_api_token",
     "JOB_EDITABLE_UNTIL_DONE",
     "JOB_EDITABLE_WHILE_PENDING",
     "NODE_EDITABLE",
@@ -89,6 +98,7 @@ __all__ = [
     "RESERVATION_EDITABLE",
     "CommandState",
     "IllegalTransition",
+    "LogsRefused",
     "PassResult",
     "UnknownCommand",
     "agent_group",
@@ -114,10 +124,13 @@ __all__ = [
     "node_removal_refusal",
     "node_with_changes",
     "place_job",
+    "prune_logs",
     "record_agent_hello",
     "record_command_ack",
     "record_command_outcome",
     "record_heartbeat",
+    "record_log_lines",
+    "record_run_dir_removed",
     "record_step_records",
     "record_worker_exit",
     "register_node",
@@ -127,6 +140,7 @@ __all__ = [
     "send_node_commands",
     "set_planner_control",
     "submit_job",
+    "sweep_run_dirs",
     "uncordon_node",
     "update_reservation",
 ]

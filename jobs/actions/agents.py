@@ -12,6 +12,8 @@ from jobs.actions._common import (
     WORKING_JOB_STATES,
     agent_actor,
     control_logger,
+    job_nodes,
+    lose_unsaved_steps,
     note_checkpoint,
     release_allocations,
     trigger_plan,
@@ -28,9 +30,13 @@ from jobs.vocab import CommandKind, EventKind
 
 
 @transaction.atomic
-def record_agent_hello(node: Node, workers: list[dict[str, Any]]) -> list[Command]:
-    """An agent (re)connected: note it alive and fence its stray workers."""
-    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
+def record_agent_hello(node: Node, workers: list[dict[str, Any]], address: str = "") -> list[Command]:
+    """An agent (re)connected: note it alive (and where other nodes reach it) and fence its
+    stray workers."""
+    changes: dict[str, Any] = {"last_heartbeat_at": timezone.now()}
+    if isinstance(address, str) and 0 < len(address) <= 255:
+        changes["address"] = address
+    Node.objects.filter(pk=node.pk).update(**changes)
     return fence_stray_workers(node, workers)
 
 
@@ -59,9 +65,10 @@ def fence_stray_workers(node: Node, workers: list[dict[str, Any]]) -> list[Comma
     return fenced
 
 
-def record_heartbeat(node: Node, workers: list[dict[str, Any]]) -> None:
+def record_heartbeat(node: Node, workers: list[dict[str, Any]], disk: Any = None) -> None:
     """A heartbeat: the node is alive (a suspect node is healthy again; a failed one stays
-    failed until repaired), and each worker's newest complete checkpoint is noted.
+    failed until repaired), the free space of its runs dir is noted (``disk``: ``{"free_bytes",
+    "total_bytes"}``; anything else is ignored), and each worker's newest complete checkpoint.
 
     Not one transaction, on purpose: each write commits on its own, so a heartbeat never holds
     its node's row lock (taken by fencing) while it waits for a job row that a planner pass has
@@ -69,7 +76,7 @@ def record_heartbeat(node: Node, workers: list[dict[str, Any]]) -> None:
     with it.
     """
     now = timezone.now()
-    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, **disk_usage_fields(disk))
     # The caller's Node may be stale (a consumer holds it for the whole connection): ask the row.
     if Node.objects.filter(pk=node.pk, state=NodeState.SUSPECT).exists():
         _heartbeat_heals(node)
@@ -87,6 +94,20 @@ def record_heartbeat(node: Node, workers: list[dict[str, Any]]) -> None:
             name=name, id__in=placed, last_checkpoint_step__lt=step, total_steps__gte=step,
             state__in=WORKING_JOB_STATES,
         ).update(last_checkpoint_step=step, last_checkpoint_at=now)
+
+
+def disk_usage_fields(disk: Any) -> dict[str, int]:
+    """The Node columns a heartbeat's ``disk`` report sets: both byte counts when they are
+    plain non-negative integers with free <= total, else none (garbage never reaches the
+    planner; the last good report stays)."""
+    if not isinstance(disk, dict):
+        return {}
+    free, total = disk.get("free_bytes"), disk.get("total_bytes")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in (free, total)):
+        return {}
+    if free > total:
+        return {}
+    return {"disk_free_bytes": free, "disk_total_bytes": total}
 
 
 @transaction.atomic
@@ -117,28 +138,113 @@ def record_step_records(node: Node, job_name: str, records: list[dict[str, Any]]
 
 @transaction.atomic
 def record_worker_exit(node: Node, job_name: str, outcome: dict[str, Any]) -> Job | None:
-    """A job's workers exited on their own: completed (GPUs freed) or crashed (the job recovers)."""
+    """A node's ranks of a job exited on their own (no stop asked).
+
+    ``completed`` from the leader: the job is done (GPUs freed). ``failed``: a rank exited
+    non-zero; the job keeps the failure (exit code, rank, node, the last lines of its log) and
+    restarts from its last checkpoint while ``restarts < max_restarts``, else it fails; the other
+    ranks on every node are stopped either way. ``stopped``: an ``omni`` run stopped at a
+    checkpoint by a signal from outside Omni; it recovers. Reports of an older run are ignored.
+    """
     job = Job.objects.select_for_update().filter(name=job_name).first()
-    if job is None or job.state not in (JobState.RUNNING,) or not job.allocations.filter(node=node).exists():
+    if job is None:
+        return None
+    run_id = outcome.get("run_id")
+    if isinstance(run_id, str) and run_id and job.run_id and run_id != job.run_id:
         return None
     result = outcome.get("outcome")
+    if job.state != JobState.RUNNING or not job.allocations.filter(node=node).exists():
+        if result == "failed":
+            _keep_first_failure(job, node, outcome)
+        return None
     actor = agent_actor(node)
     if result == "completed":
-        step = outcome.get("step")
-        fields = note_checkpoint(job, {"checkpoint_step": step}) if isinstance(step, int) else []
-        gpus_before = job.allocations.count()
-        job.committed_steps = job.total_steps if not isinstance(step, int) else min(step, job.total_steps)
-        fields += job.transition_to(JobState.COMPLETED)
-        job.save(update_fields=sorted({*fields, "committed_steps"}))
-        nodes = release_allocations(job)
-        record_event(EventKind.COMPLETE, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before,
-                     gpus_after=0, dp_before=job.dp, global_batch=job.global_batch,
-                     outcome={"step": job.committed_steps},
-                     reason={"rule": "complete", "text": f"{job.name} finished at step {job.committed_steps}.",
-                             "inputs": {}})
+        if outcome.get("leader") is False:
+            return None  # the leader's report completes the job
+        _complete(job, actor, outcome)
     elif result in ("failed", "crashed"):
-        record_job_fault(job, actor, f"{job.name}'s workers on {node.name} exited: {outcome.get('error') or result}")
+        _fail_or_restart(job, node, actor, outcome)
+    elif result == "stopped":
+        record_job_fault(job, actor, f"{job.name}'s ranks on {node.name} stopped at a checkpoint without a "
+                         "command from Omni (a signal from outside)")
     else:
         return None
     trigger_plan("worker_exit")
     return job
+
+
+def _complete(job: Job, actor: str, outcome: dict[str, Any]) -> None:
+    step = outcome.get("step")
+    fields = note_checkpoint(job, {"checkpoint_step": step}) if isinstance(step, int) else []
+    gpus_before = job.allocations.count()
+    job.committed_steps = job.total_steps if not isinstance(step, int) else min(step, job.total_steps)
+    fields += job.transition_to(JobState.COMPLETED)
+    job.save(update_fields=sorted({*fields, "committed_steps"}))
+    nodes = release_allocations(job)
+    record_event(EventKind.COMPLETE, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before,
+                 gpus_after=0, dp_before=job.dp, global_batch=job.global_batch,
+                 outcome={"step": job.committed_steps},
+                 reason={"rule": "complete", "text": f"{job.name} finished at step {job.committed_steps}.",
+                         "inputs": {}})
+
+
+FAILURE_TAIL_CHARS = 4000
+
+
+def failure_of(node: Node, outcome: dict[str, Any]) -> dict[str, Any]:
+    """What the job page, the API and the audit row say about a failed rank."""
+    code = outcome.get("code")
+    rank = outcome.get("rank")
+    return {
+        "code": code if isinstance(code, int) else None,
+        "rank": rank if isinstance(rank, int) else None,
+        "signal": outcome.get("signal") if isinstance(outcome.get("signal"), int) else None,
+        "node": node.name,
+        "run_id": str(outcome.get("run_id") or ""),
+        "at": outcome.get("at") if isinstance(outcome.get("at"), (int, float)) else timezone.now().timestamp(),
+        "tail": str(outcome.get("error") or "")[-FAILURE_TAIL_CHARS:],
+    }
+
+
+def failure_words(job: Job, failure: dict[str, Any]) -> str:
+    who = f"rank {failure['rank']}" if failure.get("rank") is not None else "torchrun"
+    how = f"signal {failure['signal']}" if failure.get("signal") else f"code {failure.get('code')}"
+    last = next((line for line in reversed(failure.get("tail", "").splitlines()) if line.strip()), "")
+    return f"{job.name}: {who} on {failure['node']} exited with {how}" + (f" ({last.strip()[:200]})" if last else "")
+
+
+def _fail_or_restart(job: Job, node: Node, actor: str, outcome: dict[str, Any]) -> None:
+    failure = failure_of(node, outcome)
+    job.failure = failure
+    words = failure_words(job, failure)
+    if job.restarts < job.max_restarts:
+        job.restarts += 1
+        job.save(update_fields=["failure", "restarts"])
+        record_job_fault(job, actor, f"{words}; restart {job.restarts} of {job.max_restarts}",
+                         kind=EventKind.RESTART, extra={"failure": failure, "restart": job.restarts})
+        return
+    gpus_before = job.allocations.count()
+    nodes = job_nodes(job)
+    lost = lose_unsaved_steps(job)
+    job.save(update_fields=[*job.transition_to(JobState.FAILED), "failure", "committed_steps"])
+    survivors = list(Node.objects.filter(name__in=nodes).exclude(state=NodeState.FAILED))
+    Allocation.objects.filter(job=job).release()
+    write_stop_commands(job, survivors)
+    dispatch_on_commit({n.id for n in survivors})
+    limit = f"no restarts left ({job.max_restarts} allowed)" if job.max_restarts else "max_restarts is 0"
+    record_event(EventKind.FAIL, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before, gpus_after=0,
+                 dp_before=job.dp, global_batch=job.global_batch,
+                 outcome={"failure": failure, "steps_lost": lost, "restarts": job.restarts},
+                 reason={"rule": "script_failed", "text": f"{words}; {limit}: the job failed, the other ranks "
+                         "were stopped and its GPUs released.", "inputs": {"max_restarts": job.max_restarts}})
+
+
+def _keep_first_failure(job: Job, node: Node, outcome: dict[str, Any]) -> None:
+    """Another node's report of the same run's failure, after the job already failed: the rank
+    that failed first is the cause (the others usually fail because it left)."""
+    if job.state not in (JobState.FAILED, JobState.RECOVERING) or not job.failure:
+        return
+    failure = failure_of(node, outcome)
+    if failure["run_id"] == job.failure.get("run_id") and failure["at"] < float(job.failure.get("at") or 0):
+        job.failure = failure
+        job.save(update_fields=["failure"])

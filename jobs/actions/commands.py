@@ -13,6 +13,7 @@ the building blocks the other action modules use inside their own transaction.
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -34,9 +35,11 @@ from jobs.actions._common import (
     release_allocations,
     trigger_plan,
 )
+from jobs.actions.housekeeping import run_dir_clean_done
 from jobs.audit import record_event
 from jobs.models import Allocation, Command, ElasticEvent, Job, JobState, Node, NodeState
 from jobs.models.commands import CommandState
+from jobs.models.jobs import ACTIVE_JOB_STATES, Integration
 from jobs.vocab import LAUNCH_COMMANDS, CommandKind, EventKind
 
 OPEN_COMMAND_STATES = (CommandState.PENDING, CommandState.SENT, CommandState.ACKED)
@@ -58,25 +61,61 @@ COMMAND_EVENT = "command"
 # -- writing commands ------------------------------------------------------------------------
 
 
-def job_payload(job: Job, gpus: list[tuple[str, int]], node_name: str, leader: str) -> dict[str, Any]:
-    """What an agent needs to run (its share of) a job: layout, batch, steps, GPUs on this node."""
+def job_payload(job: Job, gpus: list[tuple[str, int]], node_name: str, leader: str,
+                nodes: dict[str, Node] | None = None) -> dict[str, Any]:
+    """What an agent needs to run (its share of) a job: the whole placement (every node, its GPU
+    indices and address, leader first), batch, steps, the workload, and the GPUs on this node.
+    The workload's env values are not stored here: ``command_frame`` adds them when it sends."""
+    dp = max(1, len(gpus) // job.replica_gpus)
+    order = [leader, *[n for n in nodes_in_order(gpus) if n != leader]]
     return {
         "job": job.name,
         "leader": node_name == leader,
         "leader_node": leader,
         "nodes": sorted({n for n, _ in gpus}),
         "gpus": [i for n, i in gpus if n == node_name],
-        "dp": len(gpus) // job.replica_gpus,
+        "placement": [
+            {"node": n, "gpus": [i for m, i in gpus if m == n],
+             "address": (nodes[n].address if nodes and n in nodes else "") or "127.0.0.1"}
+            for n in order
+        ],
+        "dp": dp,
         "tp": job.tp,
         "pp": job.pp,
-        "accum": job.global_batch // (job.micro_batch * max(1, len(gpus) // job.replica_gpus)),
+        "accum": job.global_batch // (job.micro_batch * dp),
         "global_batch": job.global_batch,
         "micro_batch": job.micro_batch,
         "total_steps": job.total_steps,
         "checkpoint_every": job.checkpoint_every_steps,
         "step_s": job.step_s,
         "resume_step": job.last_checkpoint_step,
+        "workload": {
+            "entrypoint": list(job.entrypoint), "workdir": job.workdir, "integration": job.integration,
+            "grace_s": job.grace_s, "keep_checkpoints": job.keep_checkpoints, "env_names": sorted(job.env),
+        },
     }
+
+
+def rdzv_ports() -> range:
+    """The ports the control plane gives jobs' rendezvous (``OMNI_RDZV_PORTS``, "29400-29999")."""
+    low, _, high = settings.OMNI_RDZV_PORTS.partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
+def start_run(job: Job) -> list[str]:
+    """A new run of the job (every start, resume and relaunch): a fresh rendezvous id, so a
+    relaunch never joins an old rendezvous, and a port no other live job holds (chosen at random
+    among the free ones, so a port taken outside Omni is not picked again on the retry)."""
+    taken = set(
+        Job.objects.filter(state__in=ACTIVE_JOB_STATES, rdzv_port__isnull=False).exclude(pk=job.pk)
+        .values_list("rdzv_port", flat=True)
+    )
+    free = [p for p in rdzv_ports() if p not in taken]
+    if not free:
+        raise RuntimeError(f"no free rendezvous port in OMNI_RDZV_PORTS={settings.OMNI_RDZV_PORTS}")
+    job.run_id = f"{job.name}-{uuid.uuid4().hex[:8]}"
+    job.rdzv_port = random.choice(free)
+    return ["run_id", "rdzv_port"]
 
 
 def nodes_in_order(gpus: list[tuple[str, int]]) -> list[str]:
@@ -102,9 +141,17 @@ def write_commands(
     """One command per target node (leader first); returns the leader's, which the audit names."""
     targets = targets or nodes_in_order(gpus)
     targets = [leader, *[t for t in targets if t != leader]]
+    run: dict[str, Any] = {}
+    if kind in (CommandKind.START, CommandKind.RESUME):
+        job.save(update_fields=start_run(job))
+        address = nodes[leader].address or "127.0.0.1"
+        run = {"run_id": job.run_id, "rdzv": {"host": address, "port": job.rdzv_port}}
+    elif job.run_id:
+        run = {"run_id": job.run_id}
     leader_command: Command | None = None
     for name in targets:
-        payload = job_payload(job, gpus, name, leader)
+        payload = job_payload(job, gpus, name, leader, nodes)
+        payload.update(run)
         payload.update(extra or {})
         command = Command.objects.create(
             node=nodes[name], job=job, kind=kind, payload=payload, deadline_at=deadline_at
@@ -166,12 +213,16 @@ def claim_commands_for_dispatch(node_id: int, *, include_sent: bool = False) -> 
 
 def command_frame(command: Command) -> dict[str, Any]:
     """The ``command`` frame for an agent (docs/control-loop.md)."""
+    payload = command.payload
+    if "workload" in payload and command.job_id:
+        # Env values live only on the job row; they travel to the agent, never into the outbox.
+        payload = {**payload, "workload": {**payload["workload"], "env": dict(command.job.env)}}
     return {
         "type": "command",
         "id": str(command.id),
         "kind": command.kind,
         "job": command.job.name if command.job_id else None,
-        "payload": command.payload,
+        "payload": payload,
         "deadline": command.deadline_at.timestamp() if command.deadline_at else None,
         "attempt": command.attempts,
     }
@@ -252,7 +303,8 @@ def record_command_outcome(node: Node, command_id: str, *, ok: bool, outcome: di
     if command.is_terminal:
         return command
     fields = _to_acked(command)
-    clean = {k: outcome.get(k) for k in ("checkpoint_step", "save_s", "load_s", "step", "error", "outcome", "pid")
+    clean = {k: outcome.get(k) for k in ("checkpoint_step", "save_s", "load_s", "step", "error", "outcome", "pid",
+                                         "run_id", "exit_s", "grace_s", "killed", "code", "removed", "bytes_freed")
              if k in outcome}
     command.outcome = clean
     command.error = str(outcome.get("error") or "")[:2000]
@@ -296,23 +348,45 @@ class _Outcome:
 
 
 def _preempt_done(o: _Outcome) -> None:
-    """A checkpoint before release: saved (GPUs freed, nothing lost) or not (killed)."""
+    """A checkpoint before release: saved (GPUs freed, nothing lost) or not (killed). A
+    ``signal`` job's ranks either exited within its grace (GPUs freed) or were SIGKILLed, which
+    loses, as far as Omni can tell, all the work since the run began."""
     job = o.job
     if job.state != JobState.CHECKPOINTING:
         return
+    signal_mode = job.integration == Integration.SIGNAL
+    ran_s = (timezone.now() - job.started_at).total_seconds() if job.started_at else 0.0
     if o.ok:
         fields = note_checkpoint(job, o.reported)
         fields += job.transition_to(JobState.PREEMPTED)
         job.preemptions += 1
         job.save(update_fields=[*fields, "preemptions"])
         nodes = release_allocations(job)
-        o.audit(text=o.text + f"; checkpoint at step {job.last_checkpoint_step} saved, GPUs released",
-                extra={"steps_lost": 0}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
-    else:
-        nodes = job_nodes(job)
-        lost = kill_and_release(job)
-        o.audit(EventKind.KILL, rule="checkpoint_failed", text=o.text + f"; {lost} steps lost",
-                extra={"steps_lost": lost}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
+        if signal_mode:
+            took, code = o.reported.get("exit_s"), o.reported.get("code")
+            how = f" with code {code}" if isinstance(code, int) and code else ""
+            text = (o.text + f"; the ranks exited{how} {_seconds(took)} after SIGTERM (grace {job.grace_s:g} s), "
+                    "GPUs released")
+        else:
+            text = o.text + f"; checkpoint at step {job.last_checkpoint_step} saved, GPUs released"
+        o.audit(text=text, extra={"steps_lost": 0}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
+        return
+    nodes = job_nodes(job)
+    lost = kill_and_release(job)
+    if signal_mode:
+        text = (f"{job.name}: the ranks did not exit within grace_s {job.grace_s:g} s of SIGTERM; SIGKILL. "
+                f"Omni cannot see this job's checkpoints, so all {ran_s:.0f} s of work since its last start "
+                "may be lost; GPUs released.")
+        o.audit(EventKind.KILL, rule="grace_expired", text=text,
+                extra={"steps_lost": lost, "time_lost_s": round(ran_s, 1)}, nodes_before=nodes,
+                gpus_before=o.gpus_before, gpus_after=0)
+        return
+    o.audit(EventKind.KILL, rule="checkpoint_failed", text=o.text + f"; {lost} steps lost",
+            extra={"steps_lost": lost}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.1f} s" if isinstance(value, (int, float)) else "some time"
 
 
 def _resize_done(o: _Outcome) -> None:
@@ -378,12 +452,14 @@ _OUTCOME_EFFECTS: dict[CommandKind, Callable[[_Outcome], None]] = {
     CommandKind.RESIZE: _resize_done,
     CommandKind.START: _launch_done,
     CommandKind.RESUME: _launch_done,
+    CommandKind.CLEAN: run_dir_clean_done,  # a finished job's run dir removed (jobs.actions.housekeeping)
 }
 
 
 @transaction.atomic
 def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None = None,
-                     refers_to: ElasticEvent | None = None, kind: EventKind = EventKind.FAIL) -> int:
+                     refers_to: ElasticEvent | None = None, kind: EventKind = EventKind.FAIL,
+                     extra: dict[str, Any] | None = None) -> int:
     """A fault hit the job: back to its last checkpoint, GPUs released, surviving workers fenced;
     the planner recovers it. Returns the steps lost."""
     gpus_before = job.allocations.count()
@@ -397,7 +473,7 @@ def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None
     record_event(kind, job=job, actor=actor, command=command.id if command else None, refers_to=refers_to,
                  nodes_before=nodes, gpus_before=gpus_before, gpus_after=0, dp_before=job.dp,
                  global_batch=job.global_batch,
-                 outcome={"steps_lost": lost, "resume_from_step": job.last_checkpoint_step},
+                 outcome={"steps_lost": lost, "resume_from_step": job.last_checkpoint_step, **(extra or {})},
                  reason={"rule": "fault", "text": f"{text}; {job.name} recovers from step "
                          f"{job.last_checkpoint_step} ({lost} steps lost).", "inputs": {}})
     return lost

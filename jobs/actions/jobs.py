@@ -1,9 +1,12 @@
 """Writes on jobs by people (and the seed): submit, cancel, an operator's edit, and place a job
-on given GPUs."""
+on given GPUs; and the checks on a job's workload (what it runs) that every surface shares."""
 
 from __future__ import annotations
 
+import re
+import shlex
 from datetime import datetime
+from pathlib import PurePosixPath
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -13,13 +16,108 @@ from django.utils import timezone
 
 from jobs.actions._common import actor_name, describe_changes, release_allocations, trigger_plan_with_broker
 from jobs.actions.commands import dispatch_on_commit, write_stop_commands
-from jobs.actions.edits import changed_facts, refuse_invalid, wait_for_planner, with_changes
+from jobs.actions.edits import FieldErrors, changed_facts, refuse_invalid, wait_for_planner, with_changes
 from jobs.audit import record_event
-from jobs.models import Allocation, Job, JobState, Node, PlannerControl, Priority, Reservation
-from jobs.models.jobs import ACTIVE_JOB_STATES
+from jobs.models import Allocation, Integration, Job, JobState, Node, PlannerControl, Priority, Reservation
+from jobs.models.jobs import ACTIVE_JOB_STATES, reference_entrypoint
 from jobs.planner.layout import fit_problems
 from jobs.roles import require_job_actor, require_operator
 from jobs.vocab import EventKind
+
+# -- the workload: what a job runs (docs/workloads.md) ---------------------------------------------
+
+ENTRYPOINT_MAX_ARGS = 256
+ARG_MAX_CHARS = 4096  # one argv word, one environment value
+WORKDIR_MAX_CHARS = 1024
+ENV_MAX_VARS = 100
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What torchrun and the agent set for every rank: a job's own value would break its launch.
+LAUNCHER_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+})
+LAUNCHER_ENV_PREFIXES = ("OMNI_", "TORCHELASTIC_")
+GRACE_S_MAX = 3600.0
+MAX_RESTARTS_MAX = 100
+KEEP_CHECKPOINTS_MAX = 100
+
+
+def env_problems(env: Any) -> list[str]:
+    """What is wrong with a job's extra environment; names only, never a value, since the
+    messages are shown and logged."""
+    if not isinstance(env, dict):
+        return ['a mapping of names to strings, e.g. {"HF_HOME": "/data/hf"}']
+    problems = []
+    if len(env) > ENV_MAX_VARS:
+        problems.append(f"at most {ENV_MAX_VARS} variables, not {len(env)}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            problems.append(f"{str(name)[:64]!r} is not a variable name (letters, digits and _, not first a digit)")
+        elif name.startswith(LAUNCHER_ENV_PREFIXES) or name in LAUNCHER_ENV:
+            problems.append(f"{name} is set by Omni and torchrun for every rank")
+        elif not isinstance(value, str):
+            problems.append(f"the value of {name} is not a string")
+        elif len(value) > ARG_MAX_CHARS:
+            problems.append(f"the value of {name} is longer than {ARG_MAX_CHARS} characters")
+        elif "\0" in value:
+            problems.append(f"the value of {name} contains a NUL character")
+    return problems
+
+
+def entrypoint_problems(entrypoint: Any) -> list[str]:
+    """What is wrong with a job's argv."""
+    if not isinstance(entrypoint, list) or not all(isinstance(word, str) for word in entrypoint):
+        return ['a list of strings (an argv), e.g. ["train.py", "--lr", "3e-4"] or ["-m", "my_pkg.train"]']
+    if not 1 <= len(entrypoint) <= ENTRYPOINT_MAX_ARGS:
+        return [f"1 to {ENTRYPOINT_MAX_ARGS} words, not {len(entrypoint)}"]
+    problems = []
+    for index, word in enumerate(entrypoint):
+        if not word:
+            problems.append(f"word {index} is empty")
+        elif len(word) > ARG_MAX_CHARS:
+            problems.append(f"word {index} is longer than {ARG_MAX_CHARS} characters")
+        elif "\0" in word:
+            problems.append(f"word {index} contains a NUL character")
+    return problems
+
+
+def workload_problems(job: Job) -> FieldErrors:
+    """Why ``job``'s workload (entrypoint, workdir, env, integration and its knobs) cannot run, by
+    field; {} if it can. Submit and an operator's edit ask it, so the API, the admin and the
+    submit form refuse the same things with the same words."""
+    errors: FieldErrors = {}
+    if problems := entrypoint_problems(job.entrypoint):
+        errors["entrypoint"] = problems
+    if not isinstance(job.workdir, str) or len(job.workdir) > WORKDIR_MAX_CHARS or "\0" in job.workdir:
+        errors["workdir"] = [f"a path of at most {WORKDIR_MAX_CHARS} characters"]
+    elif job.workdir and not PurePosixPath(job.workdir).is_absolute():
+        errors["workdir"] = ["an absolute path (or empty: the job's run dir)"]
+    if problems := env_problems(job.env):
+        errors["env"] = problems
+    if not 0 < job.grace_s <= GRACE_S_MAX:
+        errors["grace_s"] = [f"more than 0 and at most {GRACE_S_MAX:g} seconds"]
+    if not 0 <= job.max_restarts <= MAX_RESTARTS_MAX:
+        errors["max_restarts"] = [f"0 to {MAX_RESTARTS_MAX}"]
+    if not 1 <= job.keep_checkpoints <= KEEP_CHECKPOINTS_MAX:
+        errors["keep_checkpoints"] = [f"1 to {KEEP_CHECKPOINTS_MAX}"]
+    if job.integration == Integration.SIGNAL:
+        # A signal-mode script knows nothing of Omni: it cannot be resized, only stopped.
+        for field in ("dp_min", "dp_max"):
+            if getattr(job, field) != job.dp:
+                errors.setdefault(field, []).append(
+                    f"signal-mode jobs are not elastic: {field} must equal dp ({job.dp}), not {getattr(job, field)}"
+                )
+    return errors
+
+
+def entrypoint_words(entrypoint: list[str]) -> str:
+    """An argv as one shell line, the way audit rows and pages show it."""
+    return shlex.join(entrypoint)
+
+
+def env_names(env: dict[str, str]) -> list[str]:
+    """What the audit log and the pages say of a job's environment: its names, never its values."""
+    return sorted(env)
 
 
 @transaction.atomic
@@ -42,36 +140,44 @@ def submit_job(
     checkpoint_every_steps: int = 500,
     checkpoint_save_s: float = 30.0,
     checkpoint_load_s: float = 60.0,
+    entrypoint: list[str] | None = None,
+    workdir: str = "",
+    env: dict[str, str] | None = None,
+    integration: str = Integration.OMNI,
+    grace_s: float = 30.0,
+    max_restarts: int = 0,
+    keep_checkpoints: int = 3,
 ) -> Job:
     """Queue a new job at its preferred DP; the planner places it.
 
-    Refused with a message per field (the API's 400) when the spec is inconsistent or the job
-    could never run on this cluster (``jobs.planner.layout.fit_problems``: a tensor-parallel
-    group larger than the largest node, more replicas at the least than the cluster holds).
+    Refused with a message per field (the API's 400) when the spec is inconsistent, its workload
+    cannot run (``workload_problems``: a signal-mode job is not elastic, so its DP bounds default
+    to ``dp`` and must equal it) or the job could never run on this cluster
+    (``jobs.planner.layout.fit_problems``: a tensor-parallel group larger than the largest node,
+    more replicas at the least than the cluster holds). The audit row names the environment's
+    variables, never their values.
     """
     if priority == Priority.CRITICAL:
         require_operator(owner, "submit critical jobs (they carry reservations and SLAs)")
     min_field = "dp" if dp_min is None else "dp_min"  # name the field the submitter sent
     dp_min = dp if dp_min is None else dp_min
     dp_max = dp if dp_max is None else dp_max
-    errors: dict[str, str] = {}
+    errors: FieldErrors = {}
     if micro_batch and dp and global_batch % (micro_batch * dp):
-        errors["global_batch"] = (
+        errors["global_batch"] = [
             f"global batch {global_batch} is not micro-batch {micro_batch} × dp {dp} × a whole number of "
             f"accumulation steps ({micro_batch * dp} does not divide {global_batch})"
-        )
+        ]
     if dp_min > dp_max:
-        errors["dp_min"] = f"dp_min {dp_min} is larger than dp_max {dp_max}"
+        errors["dp_min"] = [f"dp_min {dp_min} is larger than dp_max {dp_max}"]
     elif not dp_min <= dp <= dp_max:
-        errors["dp"] = f"dp {dp} is outside [dp_min {dp_min}, dp_max {dp_max}]"
+        errors["dp"] = [f"dp {dp} is outside [dp_min {dp_min}, dp_max {dp_max}]"]
     if tp >= 1 and pp >= 1 and dp_min >= 1:
         node_gpus = list(Node.objects.values_list("gpu_count", flat=True))
         for field, problem in fit_problems(tp, pp, dp_min, node_gpus).items():
-            errors.setdefault(min_field if field == "dp_min" else field, problem)
+            errors.setdefault(min_field if field == "dp_min" else field, [problem])
     if Job.objects.filter(name=name).exists():
-        errors["name"] = f"a job named {name!r} already exists"
-    if errors:
-        raise ValidationError(errors)
+        errors["name"] = [f"a job named {name!r} already exists"]
     if min_run_s is None:
         min_run_s = PlannerControl.load().min_run_s if priority == Priority.REGULAR else 0
     job = Job(
@@ -85,7 +191,7 @@ def submit_job(
         dp_max=dp_max,
         global_batch=global_batch,
         micro_batch=micro_batch,
-        accum_steps=global_batch // (micro_batch * dp),
+        accum_steps=global_batch // (micro_batch * dp) if micro_batch and dp else 0,
         total_steps=total_steps,
         step_s=step_s,
         comm_fraction=comm_fraction,
@@ -93,7 +199,18 @@ def submit_job(
         checkpoint_every_steps=checkpoint_every_steps,
         checkpoint_save_s=checkpoint_save_s,
         checkpoint_load_s=checkpoint_load_s,
+        entrypoint=reference_entrypoint() if entrypoint is None else list(entrypoint),
+        workdir=workdir,
+        env={} if env is None else dict(env),
+        integration=integration,
+        grace_s=grace_s,
+        max_restarts=max_restarts,
+        keep_checkpoints=keep_checkpoints,
     )
+    for field, problems in workload_problems(job).items():
+        errors.setdefault(field, problems)
+    if errors:
+        raise ValidationError(errors)
     job.full_clean()
     job.save()
     record_event(
@@ -108,8 +225,14 @@ def submit_job(
         reason={
             "rule": "submit",
             "text": f"{owner.get_username()} submitted {job.name} ({job.get_priority_display().lower()}, "
-            f"{job.tp}x{job.pp}x{job.dp} = {job.gpus_wanted} GPUs, global batch {job.global_batch}).",
-            "inputs": {"tp": tp, "pp": pp, "dp": dp, "dp_min": dp_min, "dp_max": dp_max},
+            f"{job.tp}x{job.pp}x{job.dp} = {job.gpus_wanted} GPUs, global batch {job.global_batch}), running "
+            f"{entrypoint_words(job.entrypoint)} ({job.integration}).",
+            "inputs": {
+                "tp": tp, "pp": pp, "dp": dp, "dp_min": dp_min, "dp_max": dp_max,
+                "entrypoint": job.entrypoint, "workdir": job.workdir, "env": env_names(job.env),
+                "integration": job.integration, "grace_s": job.grace_s, "max_restarts": job.max_restarts,
+                "keep_checkpoints": job.keep_checkpoints,
+            },
         },
     )
     trigger_plan_with_broker("job_submitted")
@@ -147,16 +270,19 @@ def cancel_job(job: Job, actor) -> Job:
 
 # -- an operator's edit ---------------------------------------------------------------------------
 
-# What the planner reads afresh on every pass and nothing on a node depends on: an operator may
-# change it until the job ends.
-JOB_EDITABLE_UNTIL_DONE = ("owner", "priority", "min_run_s")
-# The spec the job's workers are launched with (layout, batch, steps, checkpoint cadence) and the
-# estimates the planner sizes it by: fixed once the job has started, since its running workers
-# and its checkpoints would no longer match. DP and accumulation are the planner's throughout.
+# What the control plane reads afresh (the planner on every pass, the restart rule when the code
+# fails) and nothing on a node depends on: an operator may change it until the job ends.
+JOB_EDITABLE_UNTIL_DONE = ("owner", "priority", "min_run_s", "max_restarts")
+# The spec the job's workers are launched with (layout, batch, steps, checkpoint cadence, the
+# workload) and the estimates the planner sizes it by: fixed once the job has started, since its
+# running workers and its checkpoints would no longer match. DP and accumulation are the
+# planner's throughout.
 JOB_EDITABLE_WHILE_PENDING = (
     "tp", "pp", "dp_min", "dp_max", "global_batch", "micro_batch", "total_steps", "step_s", "comm_fraction",
     "checkpoint_every_steps", "checkpoint_save_s", "checkpoint_load_s",
+    "entrypoint", "workdir", "env", "integration", "grace_s", "keep_checkpoints",
 )
+WORKLOAD_FIELDS = ("entrypoint", "workdir", "env", "integration", "grace_s", "max_restarts", "keep_checkpoints")
 
 
 def job_editable_fields(job: Job) -> tuple[str, ...]:
@@ -222,8 +348,25 @@ def job_with_changes(job: Job, changes: dict[str, Any]) -> Job:
         node_gpus = list(Node.objects.values_list("gpu_count", flat=True))
         for field, problem in fit_problems(edited.tp, edited.pp, edited.dp_min, node_gpus).items():
             errors.setdefault(field, []).append(problem)
+    if {*WORKLOAD_FIELDS, "dp_min", "dp_max"} & set(changes):  # the same workload rules as submit_job
+        for field, problems in workload_problems(edited).items():
+            errors.setdefault(field, []).extend(problems)
     refuse_invalid(edited, errors)
     return edited
+
+
+def _audit_words(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """An edit's before and after as the audit row keeps them: an argv as a shell line, and an
+    environment as its names (a replaced value marked, never shown)."""
+    for facts in (before, after):
+        if "entrypoint" in facts:
+            facts["entrypoint"] = entrypoint_words(facts["entrypoint"])
+    if "env" in before:
+        old, new = before["env"], after["env"]
+        before["env"] = ", ".join(env_names(old))
+        after["env"] = ", ".join(
+            f"{name} (new value)" if name in old and old[name] != new[name] else name for name in env_names(new)
+        )
 
 
 @transaction.atomic
@@ -239,6 +382,7 @@ def edit_job(job: Job, actor, **changes: Any) -> Job:
     if not before:
         return job
     edited.save(update_fields=list(before))
+    _audit_words(before, after)
     record_event(
         EventKind.JOB_EDITED,
         job=edited,

@@ -114,8 +114,10 @@ def node_with_changes(node: Node, changes: dict[str, Any]) -> Node:
 
 @transaction.atomic
 def register_node(actor, *, name: str, rack: str, switch: str, gpu_count: int, gpu_model: str = "H100-80GB") -> Node:
-    """Add a machine to the cluster, healthy; its agent needs a token (``issue_agent_token``)."""
-    require_operator(actor, "register nodes")
+    """Add a machine to the cluster, healthy; its agent needs a token (``issue_agent_token``).
+    ``actor`` None is the server's own command line (``manage.py add_node``), audited as ``system``."""
+    if actor is not None:
+        require_operator(actor, "register nodes")
     facts = {"name": name, "rack": rack, "switch": switch, "gpu_count": gpu_count, "gpu_model": gpu_model}
     node = node_with_changes(Node(), facts)
     node.save(force_insert=True)

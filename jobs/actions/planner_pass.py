@@ -349,12 +349,14 @@ def _resize(a: _Applying, *, kind: ActionKind | None = None, event: EventKind | 
     Allocation.objects.bulk_create(
         Allocation(job=job, node=nodes[n], gpu_index=i, since=a.now) for n, i in move.new_gpus
     )
-    leader_before, leader_after = before[0][0], after[0][0]
+    leader_before = before[0][0]
     release = [[n, i] for n, i in before if (n, i) not in after]
     targets = nodes_in_order(before) + [n for n in nodes_in_order(after) if n not in nodes_in_order(before)]
     leader_command = write_commands(
         job, CommandKind.RESIZE, after, nodes, leader=leader_before, targets=targets, deadline_at=move.deadline_at,
-        extra={"relaunch": leader_before == leader_after, "release": release,
+        # Every node stops its ranks at a checkpoint; the new layout then starts as a new run
+        # (a ``resume``, new rendezvous), since torchrun's world is fixed per launch.
+        extra={"relaunch": False, "release": release,
                "dp_after": len(after) // job.replica_gpus, "layout": [[n, i] for n, i in after]},
     )
     return _record_decision(a, move, event or DECISION_EVENTS[kind], leader_command, len(targets))

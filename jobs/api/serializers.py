@@ -1,11 +1,66 @@
-"""Serializers for the jobs API: reads are complete, writes validate every field."""
+"""Serializers for the jobs API: reads are complete, writes validate every field and refuse
+any field they do not take (``StrictFields``)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from rest_framework import serializers
 
 from jobs import roles
-from jobs.models import Allocation, ElasticEvent, Job, Node, Priority, Reservation
+from jobs.actions import jobs as job_actions
+from jobs.models import Allocation, ElasticEvent, Integration, Job, Node, Priority, Reservation
+
+UNKNOWN_FIELD = "Unknown field."
+READ_ONLY_FIELD = "This field is read-only."
+# How a job's environment is shown back, to its owner too: the names, never a value.
+MASKED_VALUE = "***"
+
+
+class StrictFields:
+    """A write serializer that answers 400 for every field it does not take, a read-only one
+    included (``{"comand": ["Unknown field."]}``), instead of dropping it: a misspelt field must
+    not turn into a job that runs something else. The same shape as every other field error
+    (jobs/api/errors.py), reported with them."""
+
+    def refused_fields(self, data: Any) -> dict[str, list[str]]:
+        if not isinstance(data, Mapping):
+            return {}  # the serializer's own "expected a dictionary" says it
+        fields = self.fields
+        return {
+            name: [READ_ONLY_FIELD if name in fields else UNKNOWN_FIELD]
+            for name in data
+            if name not in fields or fields[name].read_only
+        }
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        refused = self.refused_fields(data)
+        try:
+            value = super().to_internal_value(data)
+        except serializers.ValidationError as exc:
+            if refused and isinstance(exc.detail, dict):
+                raise serializers.ValidationError({**exc.detail, **refused}) from None
+            raise
+        if refused:
+            raise serializers.ValidationError(refused)
+        return value
+
+
+class StringField(serializers.CharField):
+    """A CharField that takes only strings: DRF's turns ``1`` into ``"1"``, and an argv word or an
+    environment value that was a number in the request is a mistake to say, not to guess."""
+
+    default_error_messages = {"not_a_string": "Not a string."}
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("not_a_string")
+        return super().to_internal_value(data)
+
+
+class NoBodySerializer(StrictFields, serializers.Serializer):
+    """The body of an action that takes none (cancel, cordon, drain, ...): any field is unknown."""
 
 
 class AllocationSerializer(serializers.ModelSerializer):
@@ -23,6 +78,7 @@ class JobSerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
     gpus = serializers.SerializerMethodField()
     allocations = AllocationSerializer(many=True, read_only=True)
+    env = serializers.SerializerMethodField(help_text=f"The extra environment's names; every value reads {MASKED_VALUE!r}.")
 
     class Meta:
         model = Job
@@ -32,11 +88,16 @@ class JobSerializer(serializers.ModelSerializer):
             "comm_fraction", "min_run_s", "checkpoint_every_steps", "checkpoint_save_s", "checkpoint_load_s",
             "last_checkpoint_step", "last_checkpoint_at", "measured_save_s", "measured_load_s",
             "preemptions", "pending_reason", "pending_since", "submitted_at", "started_at", "finished_at", "gpus", "allocations",
+            "entrypoint", "workdir", "env", "integration", "grace_s", "max_restarts", "restarts", "keep_checkpoints",
+            "run_id", "failure",
         ]
         read_only_fields = fields
 
     def get_gpus(self, job: Job) -> int:
         return len(job.allocations.all())
+
+    def get_env(self, job: Job) -> dict[str, str]:
+        return dict.fromkeys(job_actions.env_names(job.env), MASKED_VALUE)
 
     def to_representation(self, job: Job) -> dict:
         data = super().to_representation(job)
@@ -46,10 +107,12 @@ class JobSerializer(serializers.ModelSerializer):
         return {**data, "visibility": "full"}
 
 
-class JobSubmitSerializer(serializers.Serializer):
-    """What a researcher sends to submit a job: each field's type and range. The rules across
-    fields and against the cluster (batch split, DP bounds, fits the nodes) are ``submit_job``'s,
-    which answers a ValidationError per field: the API's 400, the same as the action's."""
+class JobSubmitSerializer(StrictFields, serializers.Serializer):
+    """What a researcher sends to submit a job (docs/workloads.md): each field's type and range.
+    The rules on what a field holds (the environment's names, an absolute workdir) and across
+    fields and against the cluster (batch split, DP bounds, a signal-mode job not elastic, fits
+    the nodes) are ``submit_job``'s, which answers a ValidationError per field: the API's 400, the
+    same as the admin's and the action's."""
 
     name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128)
     priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.REGULAR)
@@ -67,6 +130,27 @@ class JobSubmitSerializer(serializers.Serializer):
     checkpoint_every_steps = serializers.IntegerField(min_value=1, default=500)
     checkpoint_save_s = serializers.FloatField(min_value=0.0, default=30.0)
     checkpoint_load_s = serializers.FloatField(min_value=0.0, default=60.0)
+    # The workload: what runs on the job's GPUs.
+    entrypoint = serializers.ListField(
+        child=StringField(max_length=job_actions.ARG_MAX_CHARS, trim_whitespace=False),
+        min_length=1, max_length=job_actions.ENTRYPOINT_MAX_ARGS, required=False,
+        help_text="argv, e.g. [\"train.py\", \"--lr\", \"3e-4\"]: a first word ending in .py, or -m MODULE, runs "
+        "with the node's Python; anything else is an executable. Default: the reference trainer.",
+    )
+    workdir = serializers.CharField(
+        max_length=job_actions.WORKDIR_MAX_CHARS, allow_blank=True, trim_whitespace=False, default="",
+        help_text="The ranks' working directory; empty: the job's run dir.",
+    )
+    env = serializers.DictField(
+        child=StringField(max_length=job_actions.ARG_MAX_CHARS, allow_blank=True, trim_whitespace=False),
+        required=False,
+        help_text="Extra environment of the ranks; never shown back. Not OMNI_*, TORCHELASTIC_* or torchrun's own.",
+    )
+    integration = serializers.ChoiceField(choices=Integration.choices, default=Integration.OMNI)
+    grace_s = serializers.FloatField(min_value=0.0, max_value=job_actions.GRACE_S_MAX, default=30.0,
+                                     help_text="Signal mode: seconds from SIGTERM to SIGKILL (more than 0).")
+    max_restarts = serializers.IntegerField(min_value=0, max_value=job_actions.MAX_RESTARTS_MAX, default=0)
+    keep_checkpoints = serializers.IntegerField(min_value=1, max_value=job_actions.KEEP_CHECKPOINTS_MAX, default=3)
 
 
 class NodeSerializer(serializers.ModelSerializer):
@@ -84,7 +168,18 @@ class NodeSerializer(serializers.ModelSerializer):
         return len(node.allocations.all())
 
 
-class ReservationSerializer(serializers.ModelSerializer):
+class NodeRegisterSerializer(StrictFields, serializers.Serializer):
+    """What an operator sends to register a node (``register_node`` checks the rest: a unique
+    name, at least one GPU)."""
+
+    name = serializers.CharField(max_length=64)
+    rack = serializers.CharField(max_length=64)
+    switch = serializers.CharField(max_length=64)
+    gpu_count = serializers.IntegerField(min_value=1, max_value=32767)
+    gpu_model = serializers.CharField(max_length=64, default="H100-80GB")
+
+
+class ReservationSerializer(StrictFields, serializers.ModelSerializer):
     job = serializers.SlugRelatedField(slug_field="name", queryset=Job.objects.all())
 
     class Meta:

@@ -1,4 +1,8 @@
-"""API views: thin shells over jobs.actions, with role checks, filters and pagination."""
+"""API views: thin shells over jobs.actions, with role checks, filters and pagination.
+
+Every write refuses the fields it does not take (``serializers.StrictFields``), actions without a
+body too (``no_body``): an unknown field is a 400, never silently dropped.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from jobs import actions, roles
+from jobs.api.logs import LOG_PARAMETERS, JobLogPageSerializer, job_log_page
 from jobs.api.permissions import AuditReader, HasRole, OperatorWrites
 from jobs.api.serializers import (
     ElasticEventSerializer,
     JobSerializer,
     JobSubmitSerializer,
+    NoBodySerializer,
+    NodeRegisterSerializer,
     NodeSerializer,
     ReservationSerializer,
 )
@@ -31,6 +38,11 @@ def _choice_filter(request: Request, name: str, choices) -> str | None:
     if value not in valid:
         raise ValidationError({name: f"{value!r} is not one of {', '.join(valid)}"})
     return value
+
+
+def no_body(request: Request) -> None:
+    """Refuse a body sent to an action that takes none: each field in it is unknown (400)."""
+    NoBodySerializer(data=request.data).is_valid(raise_exception=True)
 
 
 def _time_filter(request: Request, name: str):
@@ -98,20 +110,37 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     @extend_schema(request=None, responses={200: JobSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk=None) -> Response:
+        no_body(request)
         job = actions.cancel_job(self.get_object(), request.user)
         return Response(self.get_serializer(self.get_queryset().get(pk=job.pk)).data)
 
+    # -- the ranks' log lines (docs/logs.md): query, visibility and paging in jobs/api/logs.py --
+    @extend_schema(parameters=LOG_PARAMETERS, responses={200: JobLogPageSerializer})
+    @action(detail=True, methods=["get"])
+    def logs(self, request: Request, pk=None) -> Response:
+        """The job's log lines, oldest first, by rank and stream, paged by line id; for those who
+        see the job in full (others: 403, or 404 for a job they may not know of)."""
+        return Response(job_log_page(request, pk))
+
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
-    """Nodes: everyone with a role reads; operators cordon, drain, uncordon and repair."""
+    """Nodes: everyone with a role reads; operators register, cordon, drain, uncordon and repair."""
 
     serializer_class = NodeSerializer
     permission_classes = [OperatorWrites]
     queryset = Node.objects.prefetch_related("allocations")
 
+    @extend_schema(request=NodeRegisterSerializer, responses={201: NodeSerializer})
+    def create(self, request: Request) -> Response:
+        register = NodeRegisterSerializer(data=request.data)
+        register.is_valid(raise_exception=True)
+        node = actions.register_node(request.user, **register.validated_data)
+        return Response(NodeSerializer(self.get_queryset().get(pk=node.pk)).data, status=status.HTTP_201_CREATED)
+
     def _act(self, request: Request, node_action) -> Response:
+        no_body(request)
         node = node_action(self.get_object(), request.user)
-        return Response(NodeSerializer(Node.objects.prefetch_related("allocations").get(pk=node.pk)).data)
+        return Response(NodeSerializer(self.get_queryset().get(pk=node.pk)).data)
 
     @extend_schema(request=None)
     @action(detail=True, methods=["post"])
@@ -160,6 +189,7 @@ class ReservationViewSet(
     @extend_schema(request=None)
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk=None) -> Response:
+        no_body(request)
         reservation = actions.cancel_reservation(self.get_object(), request.user)
         return Response(ReservationSerializer(reservation).data)
 

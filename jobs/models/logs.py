@@ -2,7 +2,7 @@
 
 Lines are keyed by where they sit in the rank's log file (run, rank, stream, byte offset), so
 a chunk sent again after a reconnect is stored once. Kept for ``OMNI_LOG_RETENTION_S``
-(docs/workloads.md, "Logs").
+(docs/logs.md).
 """
 
 from __future__ import annotations

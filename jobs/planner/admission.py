@@ -29,6 +29,7 @@ from jobs.planner.wording import (
     duration_words,
     gpu_shape,
     join_words,
+    low_disk_words,
     plural,
     replica_count,
     returning_sentence,
@@ -263,7 +264,7 @@ def capacity_sentence(state: PlanningPass, job: Job, preferred: int, free: int, 
     holders = [plural(state.holders[p], f"{label} job") for p, label in CLASS_WORDS if state.holders.get(p, 0) > 0]
     if holders:
         text += f", the others are held by {join_words(holders)}"
-    parts = [text, *notes]
+    parts = [text, *notes, *low_disk_notes(state, job)[0]]
     if rank >= PRIORITY_RANK["best_effort"]:
         parts.append("best-effort jobs never take GPUs from others")
     else:
@@ -273,6 +274,27 @@ def capacity_sentence(state: PlanningPass, job: Job, preferred: int, free: int, 
     if waited > 0 and rank < PRIORITY_RANK[job.priority]:
         parts.append(f"it has waited {duration_words(waited)}, so it now queues as a regular job")
     return "; ".join(parts) + "."
+
+
+def low_disk_notes(state: PlanningPass, job: Job) -> tuple[list[str], list[str]]:
+    """(a phrase, the nodes) on free GPUs ``job`` could use but for their nodes' full runs dirs
+    (``Node.low_disk``): ``8 GPUs are free on r0s0n1, but no new work goes there: r0s0n1 has
+    1.2 GiB free in its runs dir, under the 2 GiB minimum``. Nothing when no node is low on disk."""
+    if not state.low_disk_nodes:
+        return [], []
+    zones = state._zones_for(job, job.dp_min)
+    hit: list[tuple[str, int, int | None]] = []
+    for node in state.low_disk_nodes:
+        free = node.gpus - len(state.view.held_by_node.get(node.name, ()))
+        if free >= job.tp and state.view.zone_of_node.get(node.name) in zones:
+            hit.append((node.name, free, node.disk_free_bytes))
+    if not hit:
+        return [], []
+    gpus = sum(free for _, free, _ in hit)
+    where = hit[0][0] if len(hit) == 1 else f"{len(hit)} nodes"
+    words = low_disk_words([(name, disk) for name, _, disk in hit], state.config.min_free_disk_bytes)
+    phrase = f"{plural(gpus, 'GPU')} {'is' if gpus == 1 else 'are'} free on {where}, but no new work goes there: {words}"
+    return [phrase], [name for name, _, _ in hit]
 
 
 # How each class is named in a hold's sentence, best first.
@@ -298,9 +320,10 @@ def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, f
     need = preferred * rep
     min_need = job.dp_min * rep
     text = capacity_sentence(state, job, preferred, free_total, rank, refused_loan_notes(state, job))
+    low_disk = low_disk_notes(state, job)[1]
     state._hold(job, "capacity", text, gpus_needed=need, gpus_min=min_need,
                 gpus_free=free_total, waited_s=round(waited_s(job, state.now), 1),
-                effective_rank=rank)
+                effective_rank=rank, **({"low_disk_nodes": low_disk} if low_disk else {}))
 
 
 def try_place(

@@ -45,6 +45,9 @@ class PlannerConfig:
     reclaim_mode: str = "graceful"
     #: ``None``: scenario seconds (``t=123s``); a zone name: Unix seconds shown as clock times.
     wall_clock_zone: str | None = None
+    #: The free runs-dir space under which a node takes no new work. The snapshot's builder
+    #: applies it (``Node.low_disk``); the planner only names it in its sentences.
+    min_free_disk_bytes: int = 2 * 1024**3
 
     def with_overrides(self, overrides: dict[str, Any]) -> PlannerConfig:
         """A copy with scenario ``policy`` keys applied."""

@@ -75,6 +75,9 @@ class PlanningPass:
         self.busy: set[str] = {c.job for c in snapshot.commands}
         self.view = ClusterView(snapshot)
         self.nodes = self.view.nodes
+        # Up nodes that take no new work for lack of disk: hold sentences name them.
+        self.low_disk_nodes = sorted((n for n in snapshot.nodes if n.low_disk and n.health in PLACEABLE_HEALTH),
+                                     key=lambda n: n.name)
         self.reservations: list[Reservation] = sorted(snapshot.reservations, key=lambda r: r.name)
         self.res_of_job: dict[str, list[Reservation]] = {}
         for res in self.reservations:
@@ -93,7 +96,7 @@ class PlanningPass:
             releases = cmd.releases or (job.gpus if cmd.kind in RELEASING_COMMANDS else ())
             for g in releases:
                 node = self.nodes.get(g.node)
-                if node is None or node.health not in PLACEABLE_HEALTH:
+                if node is None or not node.takes_new_work:
                     continue
                 zone = self.view.zone(g)
                 self.soon_free[zone] = self.soon_free.get(zone, 0) + 1

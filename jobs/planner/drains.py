@@ -4,7 +4,9 @@ A job with a replica on a draining node saves and moves those replicas to free G
 its other ones (``migrate``); with nowhere to go it continues on its other whole replicas when
 they still satisfy ``dp_min`` batch-exactly (``shrink``), else it stops (``preempt``). The
 operator asked, so ``min_run_s`` does not protect it (``forced``); the deadline is
-``now + predicted save + reclaim_grace_s``.
+``now + predicted save + reclaim_grace_s``. A signal-mode job is neither moved nor shrunk: it
+is stopped (SIGTERM, its ``grace_s``, SIGKILL) by ``now + grace_s + reclaim_margin_s`` and
+waits to be placed elsewhere.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from typing import TYPE_CHECKING
 from jobs.planner.decisions import Reason
 from jobs.planner.faults import continue_on_survivors_dp
 from jobs.planner.layout import accum_steps, replicas_of
-from jobs.planner.rhythm import predict
+from jobs.planner.rhythm import predict, stop_time_s
+from jobs.planner.snapshot import Job
 from jobs.planner.topology import choose_gpus, spread_of
+from jobs.planner.victims import work_since_start_s
+from jobs.planner.wording import signal_stop_words
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -32,6 +37,9 @@ def evacuate_draining_nodes(state: PlanningPass) -> None:
         if job.phase not in ("running", "checkpointing"):
             continue
         if not any(g.node in draining for g in job.gpus):
+            continue
+        if job.signal:
+            stop_signal_job(state, job, draining)
             continue
         replicas = replicas_of(job, job.gpus)
         keep = [r for r in replicas if not any(g.node in draining for g in r)]
@@ -67,3 +75,16 @@ def evacuate_draining_nodes(state: PlanningPass) -> None:
                     Reason("drain", "Node drained by an operator and no free GPUs to move to: the "
                            "job saves its checkpoint and waits to be placed elsewhere.", inputs),
                     deadline_s=deadline, graceful=not state.kill, forced=True)
+
+
+def stop_signal_job(state: PlanningPass, job: Job, draining: set[str]) -> None:
+    """Stop a signal-mode job with a replica on a draining node: it cannot move or shrink."""
+    ran_s = work_since_start_s(job, state.now)
+    inputs = {"draining_nodes": sorted({g.node for g in job.gpus if g.node in draining}), "signal": True,
+              "work_since_start_s": round(ran_s, 1), "grace_s": job.grace_s}
+    state._emit("preempt", job, (),
+                Reason("drain", f"Node drained by an operator; this {signal_stop_words(ran_s, job.grace_s)}, "
+                       f"and it waits to be placed elsewhere (a signal-mode job is never moved or resized).",
+                       inputs),
+                deadline_s=state.now + stop_time_s(job, state.config) + state.config.reclaim_margin_s,
+                graceful=not state.kill, forced=True)

@@ -5,7 +5,9 @@ checkpoint. Recovery order is critical first, onto the reservation's spares, the
 loans, then GPUs taken from lower classes, nearest in topology to the survivors. An elastic
 job whose surviving whole replicas still satisfy ``dp_min`` (batch-exactly) continues on them
 instead of waiting. A replica on a slow node is migrated when the time it would save over the
-rest of the run beats the cost of the move (finish step + save + load) by a margin.
+rest of the run beats the cost of the move (finish step + save + load) by a margin. A
+signal-mode job is neither shrunk onto survivors nor migrated (it is not elastic, and Omni
+cannot see it save).
 
 The pass's part: ``continue_on_survivors`` (the shrink onto what survived, for the queue) and
 ``migrate_stragglers`` (after the queue). Recovery onto spares and reclaimed loans is the
@@ -38,7 +40,10 @@ def surviving_replicas(job: Job, nodes: Mapping[str, Node], lost_health: frozens
 
 
 def continue_on_survivors_dp(job: Job, survivors: int) -> int | None:
-    """The DP an elastic job can continue at on ``survivors`` replicas, or None."""
+    """The DP an elastic job can continue at on ``survivors`` replicas, or None (always for a
+    signal-mode job: it is not elastic)."""
+    if job.signal:
+        return None
     return largest_valid_dp(job, survivors)
 
 
@@ -81,7 +86,8 @@ def migrate_stragglers(state: PlanningPass) -> None:
     if not slow:
         return
     for job in state.jobs.values():
-        if job.name in state.busy or job.name in state.acted or job.phase != "running":
+        if job.name in state.busy or job.name in state.acted or job.phase != "running" or job.signal:
+            # A signal-mode job is not moved: a stop and start it cannot verify.
             continue
         on_slow = sorted({g.node for g in job.gpus if g.node in slow})
         if not on_slow:

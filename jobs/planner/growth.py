@@ -5,7 +5,7 @@ or higher class was held for capacity in this pass, only to a batch-exact DP (th
 never changes: accumulation is recomputed, see ``layout``), and only when the predicted saving
 over the remaining run beats ``grow_gain_factor`` x (step + save + load). GPUs borrowed from a
 pool make it a ``lend`` that ends when the pool needs them. Reasons carry the rule name
-``resize``.
+``resize``. A signal-mode job never grows: it is not elastic.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
     growers = sorted(
         (j for j in state.jobs.values()
          if j.phase == "running" and j.name not in state.busy and j.name not in state.acted
-         and j.holdings and j.current_dp < j.dp_max),
+         and j.holdings and j.current_dp < j.dp_max and not j.signal),
         key=lambda j: (PRIORITY_RANK[j.priority], j.name),
     )
     for job in growers:

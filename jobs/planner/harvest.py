@@ -22,10 +22,16 @@ from typing import TYPE_CHECKING
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
 from jobs.planner.entitlements import entitled_gpus, is_active, next_boundary_s, next_start_s
-from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time
-from jobs.planner.snapshot import PLACEABLE_HEALTH, WAITING_PHASES, Gpu, Job, Reservation
-from jobs.planner.victims import VictimOption, choose_victims, victim_options_off_pool, victim_sort_key
-from jobs.planner.wording import duration_words, pool_label, upper_first
+from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time, stop_time_s
+from jobs.planner.snapshot import WAITING_PHASES, Gpu, Job, Reservation
+from jobs.planner.victims import (
+    VictimOption,
+    choose_victims,
+    victim_options_off_pool,
+    victim_sort_key,
+    work_since_start_s,
+)
+from jobs.planner.wording import duration_words, pool_label, signal_stop_words, upper_first
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -112,9 +118,9 @@ def lendable_gpus(pool: PoolState, borrower: Job, dp: int, now_s: float, config:
 
 
 def fits_in_grace(borrower: Job, config: PlannerConfig) -> bool:
-    """Whether ``borrower`` can finish its step and save within ``reclaim_grace_s``."""
-    p = predict(borrower, config)
-    return p.step_s + p.save_s * config.safety_factor <= config.reclaim_grace_s
+    """Whether ``borrower`` can finish its step and save (or, in signal mode, exit) within
+    ``reclaim_grace_s``."""
+    return stop_time_s(borrower, config) <= config.reclaim_grace_s
 
 
 def reclaim_due_s(borrower: Job, pool: PoolState, config: PlannerConfig) -> float:
@@ -156,7 +162,7 @@ def review_pools(state: PlanningPass) -> None:
             continue
         candidates = sorted(
             (state.jobs[b] for b in borrowers if b in state.jobs and b not in state.acted),
-            key=lambda j: victim_sort_key(j, state.config),
+            key=lambda j: victim_sort_key(j, state.config, state.now),
         )
         if not candidates:
             continue
@@ -171,12 +177,13 @@ def review_pools(state: PlanningPass) -> None:
             lambda freed, nodes=pool_nodes, short=deficit: sum(1 for g in freed if g.node in nodes) >= short,
             state.config,
             drop_first=lambda replica, nodes=pool_nodes: any(g.node in nodes for g in replica),
+            now_s=state.now,
         )
         if options is None:
             # Not enough on loan to cover it (e.g. a failed pool node): reclaim them all.
             options = []
             for job in candidates:
-                options.append(victim_options_off_pool(job, state.config, pool_nodes))
+                options.append(victim_options_off_pool(job, state.config, pool_nodes, state.now))
         for opt in options:
             due = reclaim_due_s(opt.job, pool, state.config)
             if due <= state.now + 1e-9:
@@ -191,7 +198,7 @@ def pool_gpus(state: PlanningPass, res: Reservation) -> tuple[int, list[Gpu]]:
     held: list[Gpu] = []
     for name in res.nodes:
         node = state.nodes.get(name)
-        if node is None or node.health not in PLACEABLE_HEALTH:
+        if node is None or not node.takes_new_work:
             continue
         if state.view.zone_of_node.get(name) != res.name:
             continue
@@ -222,6 +229,16 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
             f"checkpoint to return {len(opt.freed)} GPUs at once."
         )
         deadline = state.now
+    elif job.signal:
+        deadline = max(need_s, state.now + lead_s)
+        ran_s = work_since_start_s(job, state.now)
+        inputs.update(signal=True, work_since_start_s=round(ran_s, 1), grace_s=job.grace_s)
+        when = "now" if need_s <= state.now + 1e-9 else f"at {state._when(need_s)}"
+        text = (
+            f"{upper_first(pool_label(res.name))} needs its GPUs {when}; the loan ends now, so the job returns "
+            f"{len(opt.freed)} GPUs within {lead_s:.0f}s (its grace + margin). It is a "
+            f"{signal_stop_words(ran_s, job.grace_s)}."
+        )
     else:
         deadline = max(need_s, state.now + lead_s)
         if need_s <= state.now + 1e-9:
@@ -250,7 +267,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
 def lend_idle_phases(state: PlanningPass) -> None:
     """Lend the GPUs of jobs in a known idle phase to waiting work, for the phase's length."""
     idle = [j for j in state.jobs.values()
-            if j.idle_until_s is not None and j.holdings and j.phase == "running"
+            if j.idle_until_s is not None and j.holdings and j.phase == "running" and not j.signal
             and j.name not in state.busy and j.name not in state.acted
             and j.idle_until_s - state.now >= state.config.idle_lend_min_s]
     if not idle:
@@ -264,7 +281,7 @@ def lend_idle_phases(state: PlanningPass) -> None:
         nodes = {g.node for g in job.gpus}
         whole = all(
             state.view.zone_of_node.get(n) is None
-            and state.nodes[n].health in PLACEABLE_HEALTH
+            and state.nodes[n].takes_new_work
             and len(state.view.held_by_node.get(n, ())) == state.nodes[n].gpus
             and all(state.view.owner.get(Gpu(n, i)) == job.name for i in range(state.nodes[n].gpus))
             for n in nodes

@@ -110,14 +110,25 @@ def next_idle_phase(job: Job) -> tuple[int, float] | None:
     return best
 
 
+def stop_time_s(job: Job, config: PlannerConfig, prediction: RhythmPrediction | None = None) -> float:
+    """Seconds from being asked to stop until the job's GPUs are free.
+
+    One predicted step to finish the step in flight plus predicted save x safety factor; a
+    signal-mode job is given its ``grace_s`` between SIGTERM and SIGKILL.
+    """
+    if job.signal:
+        return job.grace_s
+    p = prediction or predict(job, config)
+    return p.step_s + p.save_s * config.safety_factor
+
+
 def reclaim_lead_time(job: Job, config: PlannerConfig, prediction: RhythmPrediction | None = None) -> float:
     """Seconds before need a borrower must be told to give GPUs back.
 
-    One predicted step to finish the step in flight, plus predicted save x safety factor,
+    Its stop time (``stop_time_s``: finish the step and save, or a signal-mode job's grace)
     plus the configured margin.
     """
-    p = prediction or predict(job, config)
-    return p.step_s + p.save_s * config.safety_factor + config.reclaim_margin_s
+    return stop_time_s(job, config, prediction) + config.reclaim_margin_s
 
 
 def min_loan_window_s(job: Job, dp: int, config: PlannerConfig) -> float:

@@ -64,7 +64,10 @@ class Node:
     """A machine: its place in the topology, its GPU count, its health and measured speed.
 
     ``speed_factor`` is how much slower than nominal its steps run (1.0 nominal, 1.5 means
-    steps take 1.5x as long); production derives it from per-rank step times.
+    steps take 1.5x as long); production derives it from per-rank step times. ``low_disk``: its
+    agent's runs dir has less free space than the minimum (``disk_free_bytes``, as last
+    reported; None: never reported), so nothing new is placed there while what runs there stays
+    (production sets it from ``OMNI_MIN_FREE_DISK_BYTES``; the simulator never does).
     """
 
     name: str
@@ -73,6 +76,13 @@ class Node:
     gpus: int
     health: str = "healthy"
     speed_factor: float = 1.0
+    low_disk: bool = False
+    disk_free_bytes: int | None = None
+
+    @property
+    def takes_new_work(self) -> bool:
+        """Whether GPUs here may be given to a job now: placeable health and room on its disk."""
+        return self.health in PLACEABLE_HEALTH and not self.low_disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +124,10 @@ class Job:
     ``tp * pp`` one replica). ``idle_until_s`` is set while the job is in a known idle phase
     (evaluation on CPU, data stall); ``parked`` lists the GPUs it lent out for that phase and
     is owed back when the phase ends.
+
+    ``integration`` is how its code works with Omni: ``omni`` (the runtime library: cooperative
+    checkpoint-and-stop, elastic) or ``signal`` (any script: SIGTERM, ``grace_s`` to exit, then
+    SIGKILL; never resized or moved, and its checkpoints are invisible to the planner).
     """
 
     name: str
@@ -145,6 +159,13 @@ class Job:
     preemptions: int = 0
     idle_until_s: float | None = None
     parked: tuple[Gpu, ...] = ()
+    integration: str = "omni"
+    grace_s: float = 30.0
+
+    @property
+    def signal(self) -> bool:
+        """A signal-mode job: stopped by SIGTERM and ``grace_s``, not elastic, saves unseen."""
+        return self.integration == "signal"
 
     @property
     def replica_gpus(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from jobs.planner.snapshot import PLACEABLE_HEALTH, Gpu, Node, Snapshot
+from jobs.planner.snapshot import Gpu, Node, Snapshot
 
 
 def topology_distance(a: Node, b: Node) -> int:
@@ -60,7 +60,8 @@ class ClusterView:
     """Who holds which GPU and which GPUs are free, updated as a pass makes decisions.
 
     Free GPUs are indexed by *zone*: ``None`` for general capacity, a reservation name for
-    GPUs in that reservation's pool. Only nodes whose health allows placement have free GPUs.
+    GPUs in that reservation's pool. Only nodes that take new work (``Node.takes_new_work``:
+    a placeable health and enough disk) have free GPUs.
     """
 
     def __init__(self, snapshot: Snapshot) -> None:
@@ -89,7 +90,7 @@ class ClusterView:
         self._sw_group_tps: dict[str | None, list[int]] = {}
         for name in static.sorted_names:
             node = self.nodes[name]
-            if node.health not in PLACEABLE_HEALTH:
+            if not node.takes_new_work:
                 continue
             held = self.held_by_node.get(name)
             idx = [i for i in range(node.gpus) if i not in held] if held else list(range(node.gpus))
@@ -222,7 +223,7 @@ class ClusterView:
         self._update_groups(before)
 
     def release(self, gpus: Iterable[Gpu]) -> None:
-        """Mark ``gpus`` as free again (only those on placeable nodes become placeable)."""
+        """Mark ``gpus`` as free again (only those on nodes that take new work become placeable)."""
         self.generation += 1
         gpus = list(gpus)
         before = {n: self._node_free(n) for n in {g.node for g in gpus}}
@@ -232,7 +233,7 @@ class ClusterView:
             if held is not None:
                 held.discard(g.index)
             node = self.nodes.get(g.node)
-            if node is None or node.health not in PLACEABLE_HEALTH:
+            if node is None or not node.takes_new_work:
                 continue
             zone = self.zone_of_node[g.node]
             lst = self.free.setdefault(zone, {}).setdefault(g.node, [])

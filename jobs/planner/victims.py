@@ -2,9 +2,11 @@
 
 Lower class first (best-effort, then regular; critical is never a victim of a lower class),
 then the fewest GPU-seconds at risk: steps since the last save x predicted step time x GPUs,
-plus the save itself. ``min_run_s`` protects a job except when the need is a reservation, a
-fault or a drain (``forced``). An elastic job is shrunk by whole replicas in preference to
-being stopped.
+plus the save itself. A signal-mode job's checkpoints are invisible to Omni, so stopping it
+risks all the work since its current run began (plus the grace it is given to exit), and it is
+never shrunk: at equal cost an Omni job goes first. ``min_run_s`` protects a job except when
+the need is a reservation, a fault or a drain (``forced``). An elastic job is shrunk by whole
+replicas in preference to being stopped.
 
 The pass's part: ``take_from_victims`` searches the running jobs (``victim_pool``, built once
 per pass in victim order) for the cheapest set that makes room for a waiting job, and
@@ -21,10 +23,10 @@ from typing import TYPE_CHECKING
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of
-from jobs.planner.rhythm import predict
-from jobs.planner.snapshot import PLACEABLE_HEALTH, PRIORITY_RANK, Gpu, Job
+from jobs.planner.rhythm import predict, stop_time_s
+from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job
 from jobs.planner.starvation import is_aged, protected_by_min_run, waited_s
-from jobs.planner.wording import duration_words, returning_sentence
+from jobs.planner.wording import duration_words, returning_sentence, signal_stop_words
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -45,15 +47,25 @@ class VictimOption:
         return bool(self.kept)
 
 
-def loss_gpu_s(job: Job, config: PlannerConfig) -> float:
-    """GPU-seconds at risk when stopping ``job`` now.
+def loss_gpu_s(job: Job, config: PlannerConfig, now_s: float | None = None) -> float:
+    """GPU-seconds at risk when stopping ``job`` at ``now_s``.
 
-    (steps since last save x predicted step x GPUs) + (predicted save x GPUs).
+    (steps since last save x predicted step x GPUs) + (predicted save x GPUs); for a signal-mode
+    job, whose saves Omni cannot see, (time since its run began + its grace) x GPUs.
     """
-    p = predict(job, config)
     gpus = len(job.holdings)
+    if job.signal:
+        return (work_since_start_s(job, now_s) + job.grace_s) * gpus
+    p = predict(job, config)
     unsaved = max(0, job.committed_steps - job.last_checkpoint_step)
     return unsaved * p.step_s * gpus + p.save_s * gpus
+
+
+def work_since_start_s(job: Job, now_s: float | None) -> float:
+    """Seconds the job's current run has lasted at ``now_s`` (0 when unknown)."""
+    if now_s is None or job.run_started_s is None:
+        return 0.0
+    return max(0.0, now_s - job.run_started_s)
 
 
 def victim_options(
@@ -61,19 +73,23 @@ def victim_options(
     config: PlannerConfig,
     floor_dp: int | None = None,
     drop_first: Callable[[tuple[Gpu, ...]], bool] | None = None,
+    now_s: float | None = None,
 ) -> list[VictimOption]:
     """Ways to free GPUs from ``job``, fewest freed first: shrinks, then a preemption.
 
     Shrinks go down by whole replicas to a batch-exact DP no lower than ``floor_dp`` (default
-    ``dp_min``); replicas for which ``drop_first`` is true are dropped first, then the last.
+    ``dp_min``); replicas for which ``drop_first`` is true are dropped first, then the last. A
+    signal-mode job is never shrunk: only its preemption is offered.
     """
     gpus = job.gpus
+    if job.signal:
+        return [VictimOption(job, (), gpus, loss_gpu_s(job, config, now_s))]
     replicas = replicas_of(job, gpus)
     if drop_first is not None:
         order = sorted(range(len(replicas)), key=lambda i: (not drop_first(replicas[i]), -i))
     else:
         order = list(range(len(replicas) - 1, -1, -1))
-    cost = loss_gpu_s(job, config)
+    cost = loss_gpu_s(job, config, now_s)
     floor = job.dp_min if floor_dp is None else max(job.dp_min, floor_dp)
     options: list[VictimOption] = []
     d = len(replicas)
@@ -88,10 +104,11 @@ def victim_options(
     return options
 
 
-def victim_sort_key(job: Job, config: PlannerConfig) -> tuple:
-    """Lower class first, elastic (shrinkable) first, then fewest GPU-seconds lost, then name."""
-    elastic = job.current_dp > job.dp_min
-    return (-PRIORITY_RANK[job.priority], not elastic, loss_gpu_s(job, config), job.name)
+def victim_sort_key(job: Job, config: PlannerConfig, now_s: float | None = None) -> tuple:
+    """Lower class first, elastic (shrinkable) first, then fewest GPU-seconds lost, Omni jobs
+    before signal-mode ones, then name."""
+    elastic = job.current_dp > job.dp_min and not job.signal
+    return (-PRIORITY_RANK[job.priority], not elastic, loss_gpu_s(job, config, now_s), job.signal, job.name)
 
 
 def eligible_victim(job: Job, now_s: float, forced: bool) -> bool:
@@ -108,6 +125,7 @@ def choose_victims(
     floor_dp: Callable[[Job], int | None] = lambda job: None,
     drop_first: Callable[[tuple[Gpu, ...]], bool] | None = None,
     fits_split: Callable[[list[Gpu], tuple[Gpu, ...]], bool] | None = None,
+    now_s: float | None = None,
 ) -> list[VictimOption] | None:
     """The cheapest set of victim options after which ``fits(freed)`` holds, or None.
 
@@ -122,7 +140,7 @@ def choose_victims(
     chosen: list[VictimOption] = []
     freed: list[Gpu] = []
     for job in candidates:
-        options = victim_options(job, config, floor_dp(job), drop_first)
+        options = victim_options(job, config, floor_dp(job), drop_first, now_s)
         for opt in options:
             if fits_split(freed, opt.freed) if fits_split is not None else fits(freed + list(opt.freed)):
                 chosen.append(opt)
@@ -134,9 +152,10 @@ def choose_victims(
     return None
 
 
-def victim_options_off_pool(job: Job, config: PlannerConfig, pool_nodes: set[str]) -> VictimOption:
+def victim_options_off_pool(job: Job, config: PlannerConfig, pool_nodes: set[str],
+                            now_s: float | None = None) -> VictimOption:
     """Give back every GPU ``job`` holds on ``pool_nodes``: its largest shrink off them, else stop."""
-    options = victim_options(job, config, drop_first=lambda r: any(g.node in pool_nodes for g in r))
+    options = victim_options(job, config, drop_first=lambda r: any(g.node in pool_nodes for g in r), now_s=now_s)
     for opt in options:
         if not any(g.node in pool_nodes for g in opt.kept):
             return opt
@@ -222,7 +241,7 @@ def take_from_victims(
 
     def count(gpus: Sequence[Gpu], into: dict[str, int]) -> None:
         for g in gpus:
-            if view.zone(g) in zone_set and state.nodes[g.node].health in PLACEABLE_HEALTH:
+            if view.zone(g) in zone_set and state.nodes[g.node].takes_new_work:
                 into[g.node] = into.get(g.node, 0) + 1
 
     def fits_split(chosen: list[Gpu], extra: Sequence[Gpu]) -> bool:
@@ -266,7 +285,7 @@ def take_from_victims(
         return fits_split([], freed)
 
     options = choose_victims(candidates(), fits, state.config, floor_dp=lambda j: floors.get(j.name),
-                             fits_split=fits_split)
+                             fits_split=fits_split, now_s=state.now)
     if options is None:
         state.victim_failed_at[key] = min(need, state.victim_failed_at.get(key, 1 << 30))
         return False
@@ -296,11 +315,14 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
             if j.holdings and j.phase in ("running", "checkpointing") and j.name not in state.busy
             and PRIORITY_RANK[j.priority] > 0
         ]
-        pool.sort(key=lambda j: victim_sort_key(j, state.config))
+        pool.sort(key=lambda j: victim_sort_key(j, state.config, state.now))
+        nodes = state.nodes
         state._victims_sorted = [
             VictimEntry(
                 job=j,
-                zones=frozenset(state.view.zone_of_node.get(h.gpu.node) for h in j.holdings),
+                # GPUs on a node low on disk free nothing anyone may use: they do not count.
+                zones=frozenset(state.view.zone_of_node.get(h.gpu.node) for h in j.holdings
+                                if h.gpu.node not in nodes or not nodes[h.gpu.node].low_disk),
                 rank=PRIORITY_RANK[j.priority],
                 protected=protected_by_min_run(j, state.now),
                 excess=j.current_dp > j.dp,
@@ -344,7 +366,7 @@ def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: 
     }
     why = (f"{requester.name} ({requester.priority}"
            f"{', waiting ' + duration_words(waited_s(requester, state.now)) if aged else ''}) needs GPUs")
-    deadline = state.now + p.step_s + p.save_s * state.config.safety_factor + state.config.reclaim_margin_s
+    deadline = state.now + stop_time_s(job, state.config, p) + state.config.reclaim_margin_s
     rule = "victims" if not aged or PRIORITY_RANK[job.priority] > 1 else "starvation"
     if opt.is_shrink:
         d_after = len(opt.kept) // (job.tp * job.pp)
@@ -353,6 +375,13 @@ def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: 
                 f"{accum_steps(job, d_after)}, global batch {job.global_batch} unchanged) rather "
                 f"than stopping; it was the cheapest choice ({opt.cost_gpu_s:.0f} GPU-s at risk).")
         state._emit("shrink", job, opt.kept, Reason(rule, text, inputs),
+                    deadline_s=deadline, graceful=not state.kill, forced=forced)
+    elif job.signal:
+        ran_s = work_since_start_s(job, state.now)
+        inputs.update(signal=True, work_since_start_s=round(ran_s, 1), grace_s=job.grace_s)
+        text = (f"{why}; this {job.priority} {signal_stop_words(ran_s, job.grace_s)} "
+                f"({opt.cost_gpu_s:.0f} GPU-s at risk); no cheaper victim.")
+        state._emit("preempt", job, (), Reason(rule, text, inputs),
                     deadline_s=deadline, graceful=not state.kill, forced=forced)
     else:
         text = (f"{why}; this {job.priority} job was the cheapest to stop ({unsaved} steps since its "

@@ -77,6 +77,43 @@ def duration_words(seconds: float) -> str:
     return f"{minutes} min" if minutes else f"{seconds} s"
 
 
+def bytes_words(n: int | float) -> str:
+    """``1288490188`` -> ``1.2 GiB``, ``2147483648`` -> ``2 GiB``, ``734003200`` -> ``700 MiB``:
+    binary units, one decimal under 10, as ``df -h`` reads."""
+    value = float(max(0, n))
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "bytes":
+        return plural(int(value), "byte")
+    text = f"{value:.1f}" if value < 10 else f"{value:.0f}"
+    return f"{text.removesuffix('.0')} {unit}"
+
+
+def low_disk_words(nodes: Sequence[tuple[str, int | None]], minimum_bytes: int) -> str:
+    """Why nodes take no new work for lack of disk: ``r0s0n1 has 1.2 GiB free in its runs dir,
+    under the 2 GiB minimum`` (``nodes``: name and free bytes, None when unknown)."""
+    def free(n: int | None) -> str:
+        return bytes_words(n) if n is not None else "too little space"
+
+    minimum = bytes_words(minimum_bytes)
+    if len(nodes) == 1:
+        name, n = nodes[0]
+        return f"{name} has {free(n)} free in its runs dir, under the {minimum} minimum"
+    shown = [f"{name} {free(n)}" for name, n in nodes[:3]]
+    if len(nodes) > 3:
+        shown.append(f"{len(nodes) - 3} more")
+    return f"their runs dirs have less than the {minimum} minimum free ({join_words(shown)})"
+
+
+def signal_stop_words(run_s: float, grace_s: float) -> str:
+    """What preempting a signal-mode job costs, for the sentence of the decision that does."""
+    return (f"signal-mode job: its checkpoints are not visible to Omni, so preempting it costs all "
+            f"{duration_words(run_s)} of work since its last start; it gets SIGTERM and "
+            f"{duration_words(grace_s)} to exit before SIGKILL")
+
+
 @lru_cache(maxsize=16)
 def _zone(name: str) -> tzinfo:
     return UTC if name == "UTC" else ZoneInfo(name)

@@ -475,6 +475,7 @@
       growRange(indices.flatMap((i) => perTrace[i].x));
     }
     live.subscribe("job", data.job_id);
+    logsPanel(live);
     ["step_records", "steps"].forEach((name) => live.on(name, (payloads) => appendSteps(payloads.flatMap(asRecords))));
     // telemetry.ingest sends {job, node, node_name, points: [{gpu, at, util_pct, ...}]}.
     ["gpu_samples", "gpu"].forEach((name) => live.on(name, (payloads) => appendGpus(payloads.flatMap(
@@ -502,6 +503,61 @@
       if (saved) noteCheckpoint(saved);
       if (job.last_checkpoint_step > 0) noteCheckpoint({step: job.last_checkpoint_step, at: job.last_checkpoint_at || null, save_s: null});
     }));
+  }
+
+  // The job page's Logs panel (docs/logs.md): the newest lines came with the page; job_logs
+  // messages append the new ones (each line once, by id). The rank filter hides the other ranks'
+  // lines; the view follows the newest line until the user scrolls up, and again once they
+  // scroll back to the bottom (or tick "follow").
+  const MAX_LOG_LINES = 5000;  // kept on the page; the API has the whole log
+  function logsPanel(live) {
+    const box = $("#log-lines");
+    if (!box) return;
+    const select = $("#log-rank"), follow = $("#log-follow"), empty = $(".empty", box);
+    const seen = new Set($$(".log-line", box).map((n) => n.dataset.id));
+    const shows = (rank) => select.value === "" || String(rank) === select.value;
+    const atBottom = () => box.scrollHeight - box.scrollTop - box.clientHeight < 8;
+    const scrollDown = () => { if (follow.checked) box.scrollTop = box.scrollHeight; };
+    function showEmpty() {
+      const lines = $$(".log-line", box), visible = lines.some((n) => !n.hidden);
+      empty.hidden = visible;
+      empty.textContent = !lines.length ? "No output yet."
+        : "No lines of rank " + select.value + " among the newest ones; the API has the whole log.";
+    }
+    function filter() {
+      $$(".log-line", box).forEach((n) => { n.hidden = !shows(n.dataset.rank); });
+      showEmpty();
+      scrollDown();
+    }
+    function offerRank(rank) {
+      const options = $$("option", select);
+      if (options.some((o) => o.value === String(rank))) return;
+      const after = options.find((o) => o.value !== "" && Number(o.value) > rank);
+      select.insertBefore(el("option", {value: String(rank), text: "rank " + rank}), after || null);
+    }
+    select.addEventListener("change", filter);
+    follow.addEventListener("change", scrollDown);
+    box.addEventListener("scroll", () => { follow.checked = atBottom(); });
+    box.scrollTop = box.scrollHeight;
+    live.on("job_logs", (payloads) => {
+      payloads.forEach((p) => {
+        if (p.skipped) box.append(el("div", {class: "log-skipped muted", text: "… " + p.skipped + " more lines not shown live; reload the page or use the API for them"}));
+        p.lines.forEach((line) => {
+          if (seen.has(String(line.id))) return;
+          seen.add(String(line.id));
+          offerRank(line.rank);
+          const row = el("div", {class: "log-line " + line.stream, "data-id": line.id, "data-rank": line.rank,
+            title: p.node + " · rank " + line.rank + " · std" + line.stream}, [
+            el("span", {class: "rank", text: String(line.rank)}), el("span", {class: "text", text: line.text})]);
+          row.hidden = !shows(line.rank);
+          box.append(row);
+        });
+      });
+      const rows = $$(".log-line, .log-skipped", box);
+      rows.slice(0, Math.max(0, rows.length - MAX_LOG_LINES)).forEach((n) => { seen.delete(n.dataset.id); n.remove(); });
+      showEmpty();
+      scrollDown();
+    });
   }
 
   // The job page's checkpoints: one row per step, newest first, and the card above is the first
@@ -546,6 +602,10 @@
       $("[data-f=state]", detail).replaceChildren(el("span", {class: "pill health-" + button.dataset.state, text: button.dataset.stateLabel}));
       const jobs = Array.from(new Set($$(".gpu", button).map((g) => g.dataset.job).filter(Boolean)));
       $("[data-f=jobs]", detail).textContent = jobs.length ? jobs.join(", ") : "none";
+      const warning = button.dataset.diskWarning;  // jobs.live_events.disk_note
+      $("[data-f=disk]", detail).replaceChildren(...(warning
+        ? [el("span", {class: "pill health-failed", text: "low disk"}), " " + warning.replace(/^low disk: /, "")]
+        : [button.dataset.disk || "not reported yet"]));
       const allowed = data.node_actions[button.dataset.state] || [];
       $$("[data-action]", detail).forEach((b) => { b.hidden = !allowed.includes(b.dataset.action); });
     }
@@ -568,7 +628,13 @@
       button.className = "node h-" + node.state + (button === selected ? " selected" : "");
       button.dataset.state = node.state;
       button.dataset.stateLabel = node.state_label;
-      button.title = node.name + " · " + node.state_label;
+      const disk = node.disk || {};
+      button.dataset.disk = disk.text || "";
+      button.dataset.diskWarning = disk.warning || "";
+      button.title = node.name + " · " + node.state_label + (node.disk ? " · " + (disk.low ? disk.warning : disk.text + " in its runs dir") : "");
+      const nameRow = $(".node-name", button), badge = $(".disk-low", button);
+      if (disk.low && !badge) nameRow.append(el("span", {class: "pill health-failed disk-low", style: "font-size: 9.5px; line-height: 13px; padding: 0 5px", text: "low disk"}));
+      if (!disk.low && badge) badge.remove();
       const cells = $$(".gpu", button);
       node.gpus.forEach((g, i) => {
         if (!cells[i]) return;

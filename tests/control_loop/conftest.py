@@ -6,6 +6,7 @@ at teardown; logs land in the test's tmp dir and are printed when a test fails."
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,6 +52,17 @@ def wait_port(port: int, timeout_s: float = 30.0) -> None:
             return False
 
     wait_for(answers, timeout_s, f"127.0.0.1:{port} to accept connections")
+
+
+def run_output(run_dir: Path) -> str:
+    """Everything the ranks of every run of a job printed (trainer_agent/rank.py's log files)."""
+    out = []
+    for path in sorted((run_dir / "logs").glob("*/*/rank-*.*")):
+        try:
+            out.append(path.read_text(errors="replace"))
+        except OSError:
+            continue
+    return "".join(out)
 
 
 @dataclass
@@ -180,6 +192,9 @@ def control_cluster(request, transactional_db, tmp_path) -> Iterator[Cluster]:
         "OMNI_COMMAND_MAX_ATTEMPTS": "3",
         "OMNI_PLANNER_OVERRIDES": '{"startup_s": 1, "reclaim_margin_s": 3, "min_loan_steps": 2}',
         "OMP_NUM_THREADS": "1",
+        # Rendezvous ports of this test's jobs: a random block, so suites running side by side
+        # on one machine do not pick the same ones.
+        "OMNI_RDZV_PORTS": f"{(base := random.randrange(20000, 50000))}-{base + 199}",
         "LOG_LEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
     }

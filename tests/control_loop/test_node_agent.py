@@ -70,3 +70,26 @@ def test_the_record_buffer_drops_the_oldest_and_counts_them(tmp_path, monkeypatc
     assert agent.dropped_records == 3
     assert [item["record"]["step"] for item in agent.records_out] == [4, 5, 6, 7, 8]
     assert agent.heartbeat_frame()["dropped_records"] == 3
+
+
+def test_a_clean_command_removes_the_run_dir_but_never_under_live_ranks(tmp_path):
+    async def scenario():
+        agent = _agent(tmp_path)
+        run_dir = tmp_path / "old-job" / "checkpoints"
+        run_dir.mkdir(parents=True)
+        (run_dir / "ckpt.pt").write_bytes(b"x" * 5000)
+        await agent.on_command({"type": "command", "id": "c", "kind": "clean", "job": "old-job",
+                                "payload": {"job": "old-job", "clean": True}})
+        done = [f for f in agent.control_out if f["type"] == "done"][-1]
+        assert done["ok"] is True and done["outcome"]["removed"] is True
+        assert done["outcome"]["bytes_freed"] >= 5000
+        assert not (tmp_path / "old-job").exists()
+
+        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be", "payload": _payload()})
+        await agent.on_command({"type": "command", "id": "c2", "kind": "clean", "job": "be",
+                                "payload": {"job": "be", "clean": True}})
+        refused = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "c2"][0]
+        assert refused["ok"] is False and "still has live ranks" in refused["outcome"]["error"]
+        agent.jobs["be"].signal(signal.SIGKILL)
+
+    asyncio.run(scenario())

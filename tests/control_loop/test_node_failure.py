@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.control_loop.conftest import HEARTBEAT_S, make_node, wait_for
+from tests.control_loop.conftest import HEARTBEAT_S, make_node, run_output, wait_for
 
 pytestmark = [pytest.mark.services, pytest.mark.postgres, pytest.mark.redis, pytest.mark.torch,
               pytest.mark.slow, pytest.mark.timeout(200)]
@@ -60,7 +60,7 @@ def test_killed_agent_fails_its_node_and_the_job_recovers_elsewhere_from_its_che
     loaded = resume.outcome["checkpoint_step"]
     assert resume.node.name == other and loaded >= resume_from
     run_dir = control_cluster.tmp / "runs" / "be"
-    wait_for(lambda: f"resumed from step-{loaded:08d}" in (run_dir / "launcher.log").read_text(), 60,
+    wait_for(lambda: f"resumed from step-{loaded:08d}" in run_output(run_dir), 60,
              "the trainer on the other node to load the checkpoint")
     assert Job.objects.get(name="be").last_checkpoint_step >= loaded
     wait_for(lambda: Job.objects.get(name="be").committed_steps > loaded, 60, "progress after recovery")

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from tests.control_loop.conftest import make_node, wait_for
+from tests.control_loop.conftest import make_node, run_output, wait_for
 
 pytestmark = [pytest.mark.services, pytest.mark.postgres, pytest.mark.redis, pytest.mark.torch,
               pytest.mark.slow, pytest.mark.timeout(240)]
@@ -85,7 +85,7 @@ def test_borrower_checkpoints_before_the_window_then_the_owner_runs_then_the_bor
     )
     assert resume.outcome["checkpoint_step"] == saved_step
     run_dir = control_cluster.tmp / "runs" / "be"
-    wait_for(lambda: f"resumed from step-{saved_step:08d}" in (run_dir / "launcher.log").read_text(), 60,
+    wait_for(lambda: f"resumed from step-{saved_step:08d}" in run_output(run_dir), 60,
              "the trainer to load the saved checkpoint")
 
     def next_step_recorded() -> bool:

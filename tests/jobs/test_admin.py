@@ -4,7 +4,10 @@ without an audited path fails it."""
 
 from __future__ import annotations
 
+import json
+import shlex
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from django.utils import timezone
 from jobs import actions
 from jobs.actions import describe_changes
 from jobs.admin import JobForm
+from jobs.forms import EnvField
 from jobs.models import ElasticEvent, Job, JobState, Node, NodeState, Priority
 from telemetry import rollups
 from telemetry.ingest import ingest_gpu_batch
@@ -34,6 +38,16 @@ ADD_EXAMPLES: dict[type[models.Model], dict[str, Any]] = {
     Node: {"name": "r9s0n0", "rack": "r9", "switch": "r9s0", "gpu_count": 8, "gpu_model": "H200-141GB"},
 }
 PLACED = {"rule": "test", "text": "placed by the test", "inputs": {}}
+# The walk's first job carries a secret in its environment, which no page may show.
+SECRET = "wandb-secret-value-0123456789"
+# Edits valid only with another field changed too: a signal-mode job is not elastic.
+ALONG_WITH: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "integration": lambda job: {"dp_min": job.dp, "dp_max": job.dp},
+}
+# Fields whose any other value is not a valid one.
+SAMPLE_EDITS: dict[str, Callable[[Any], Any]] = {
+    "workdir": lambda current: f"{current or '/srv'}/edited",
+}
 
 
 @pytest.fixture
@@ -46,7 +60,7 @@ def admin_client_logged_in(client, django_user_model):
 def cluster(make_nodes, make_job, operator, other_researcher):
     """A row of every model the admin shows, each made by the action or task that makes it."""
     nodes = make_nodes()
-    make_job()  # job-0, pending: the first job, whose whole spec is editable
+    make_job(env={"WANDB_API_KEY": SECRET})  # job-0, pending: the first job, whose whole spec is editable
     actions.place_job(make_job(), [(nodes[0], 0), (nodes[0], 1)], actor="planner", reason=PLACED)
     stopped = actions.place_job(make_job(), [(nodes[1], 0), (nodes[1], 1)], actor="planner", reason=PLACED)
     actions.cancel_job(stopped, operator)  # stop commands
@@ -82,8 +96,17 @@ def _posted(page, **changes: Any) -> dict[str, Any]:
     return data
 
 
-def _another_value(field: forms.Field, current: Any) -> tuple[Any, Any]:
+def _another_value(name: str, field: forms.Field, current: Any) -> tuple[Any, Any]:
     """A valid value other than ``current`` for a form field: (as the model holds it, as posted)."""
+    if name in SAMPLE_EDITS:
+        other = SAMPLE_EDITS[name](current)
+        return other, other
+    if isinstance(field, EnvField):  # the names kept as they are, one variable added
+        other = {**current, "HF_HOME": "/data/hf"}
+        return other, "\n".join([*current, "HF_HOME=/data/hf"])
+    if isinstance(field, forms.JSONField):  # before CharField: JSONField is one
+        other = [*current, "--edited"]
+        return other, json.dumps(other)
     if isinstance(field, forms.ModelChoiceField):
         other = next(row for row in field.queryset if row != current)
         return other, other.pk
@@ -101,6 +124,16 @@ def _another_value(field: forms.Field, current: Any) -> tuple[Any, Any]:
 
 def _plain(value: Any) -> Any:
     return str(value) if isinstance(value, models.Model) else value
+
+
+def _audited(name: str, value: Any) -> Any:
+    """A field's value as an edit's audit row keeps it: an argv as a shell line, an environment as
+    its names."""
+    if name == "entrypoint":
+        return shlex.join(value)
+    if name == "env":
+        return ", ".join(sorted(value))
+    return _plain(value)
 
 
 def _errors(response) -> Any:
@@ -133,15 +166,18 @@ def _check_change(client, model_admin, obj) -> None:
         page = client.get(url)
         obj.refresh_from_db()
         old = getattr(obj, name)
-        new, posted = _another_value(page.context["adminform"].form.fields[name], old)
+        new, posted = _another_value(name, page.context["adminform"].form.fields[name], old)
+        along = ALONG_WITH[name](obj) if name in ALONG_WITH else {}
         last = _last_id()
-        response = client.post(url, _posted(page, **{name: posted}))
+        response = client.post(url, _posted(page, **{name: posted}, **along))
         assert response.status_code == 302, (model._meta.label, name, _errors(response))
         rows = _new_rows(last)
         assert len(rows) == 1, (model._meta.label, name, rows)
         inputs = rows[0].reason["inputs"]
-        assert (inputs["before"][name], inputs["after"][name]) == (_plain(old), _plain(new)), (model, name)
-        assert describe_changes({name: _plain(old)}, {name: _plain(new)}) in rows[0].reason["text"]
+        before, after = _audited(name, old), _audited(name, new)
+        assert (inputs["before"][name], inputs["after"][name]) == (before, after), (model, name)
+        assert describe_changes({name: before}, {name: after}) in rows[0].reason["text"]
+        assert SECRET not in json.dumps(rows[0].reason), (model, name)
         assert "False" not in rows[0].reason["text"] and "True" not in rows[0].reason["text"]
         obj.refresh_from_db()
         assert getattr(obj, name) == new, (model._meta.label, name)
@@ -193,6 +229,8 @@ def test_every_admin_page_is_read_only_or_saves_through_an_audited_action(cluste
         page = client.get(_url(model, "change", obj.pk))
         assert page.status_code == 200, model
         _check_change(client, model_admin, obj)
+        assert SECRET not in client.get(_url(model, "change", obj.pk)).content.decode(), model
+        assert SECRET not in client.get(_url(model, "changelist")).content.decode(), model
         _check_add(client, model_admin, page.wsgi_request, model)
         _check_delete(client, model_admin, page.wsgi_request, obj)
         walked.append(model._meta.label)
@@ -282,7 +320,7 @@ def test_running_job_keeps_its_spec_and_its_owner_change_is_audited(admin_client
     job = actions.place_job(make_job(), [(node, 0), (node, 1)], actor="planner", reason=PLACED)
     url = _url(Job, "change", job.pk)
     page = admin_client_logged_in.get(url)
-    assert list(page.context["adminform"].form.fields) == ["owner", "priority", "min_run_s"]
+    assert list(page.context["adminform"].form.fields) == ["owner", "priority", "min_run_s", "max_restarts"]
     response = admin_client_logged_in.post(url, _posted(page, owner=other_researcher.pk))
     assert response.status_code == 302
     event = ElasticEvent.objects.get(kind="job_edited")
@@ -350,3 +388,81 @@ def test_admin_drain_action_goes_through_the_audited_action(admin_client_logged_
     node.refresh_from_db()
     assert node.state == NodeState.DRAINING
     assert ElasticEvent.objects.get().kind == "drain"
+
+
+def test_env_is_edited_by_name_and_its_values_are_never_shown(admin_client_logged_in, make_job):
+    job = make_job(env={"WANDB_API_KEY": SECRET, "HF_HOME": "/data/hf"})
+    url = _url(Job, "change", job.pk)
+    page = admin_client_logged_in.get(url)
+    assert SECRET not in page.content.decode() and "/data/hf" not in page.content.decode()
+    assert page.context["adminform"].form["env"].value() == "HF_HOME\nWANDB_API_KEY"
+    # WANDB_API_KEY kept as it is, HF_HOME replaced, NCCL_DEBUG added.
+    response = admin_client_logged_in.post(url, _posted(page, env="WANDB_API_KEY\nHF_HOME=/scratch/hf\nNCCL_DEBUG=INFO"))
+    assert response.status_code == 302, _errors(response)
+    job.refresh_from_db()
+    assert job.env == {"WANDB_API_KEY": SECRET, "HF_HOME": "/scratch/hf", "NCCL_DEBUG": "INFO"}
+    event = ElasticEvent.objects.get(kind="job_edited")
+    assert event.reason["inputs"]["before"] == {"env": "HF_HOME, WANDB_API_KEY"}
+    assert event.reason["inputs"]["after"] == {"env": "HF_HOME (new value), NCCL_DEBUG, WANDB_API_KEY"}
+    assert "/scratch/hf" not in str(event.reason) and SECRET not in str(event.reason)
+    # A name left out is removed; an untouched form changes nothing.
+    page = admin_client_logged_in.get(url)
+    admin_client_logged_in.post(url, _posted(page))
+    assert ElasticEvent.objects.filter(kind="job_edited").count() == 1
+    admin_client_logged_in.post(url, _posted(page, env="NCCL_DEBUG"))
+    job.refresh_from_db()
+    assert job.env == {"NCCL_DEBUG": "INFO"}
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ("OMNI_JOB=x", "OMNI_JOB is set by Omni and torchrun for every rank"),
+        ("2FAST=x", "'2FAST' is not a variable name"),
+        ("NEW_ONE", "line 2: NEW_ONE has no value yet: write NEW_ONE=VALUE"),
+        ("A=1\nA=2", "line 3: A is listed twice"),
+    ],
+)
+def test_a_bad_env_is_a_form_error_that_shows_no_value(admin_client_logged_in, make_job, env, message):
+    job = make_job(env={"WANDB_API_KEY": SECRET})
+    url = _url(Job, "change", job.pk)
+    response = admin_client_logged_in.post(url, _posted(admin_client_logged_in.get(url),
+                                                        env=f"WANDB_API_KEY=also-{SECRET}\n{env}"))
+    assert response.status_code == 200
+    assert message in " ".join(_errors(response)["env"])
+    assert SECRET not in response.content.decode()
+    job.refresh_from_db()
+    assert job.env == {"WANDB_API_KEY": SECRET}
+
+
+def test_a_workload_edit_follows_submits_rules(admin_client_logged_in, make_job):
+    job = make_job()  # dp 2 in [1, 4]
+    url = _url(Job, "change", job.pk)
+    page = admin_client_logged_in.get(url)
+    response = admin_client_logged_in.post(url, _posted(page, integration="signal"))
+    assert response.status_code == 200
+    errors = _errors(response)
+    assert "signal-mode jobs are not elastic: dp_min must equal dp (2), not 1" in str(errors["dp_min"])
+    assert "signal-mode jobs are not elastic: dp_max must equal dp (2), not 4" in str(errors["dp_max"])
+    response = admin_client_logged_in.post(url, _posted(page, workdir="relative", entrypoint='"train.py"'))
+    assert set(_errors(response)) == {"workdir", "entrypoint"}
+    response = admin_client_logged_in.post(url, _posted(page, entrypoint='["train.py", "--fast"]', grace_s=0))
+    assert set(_errors(response)) == {"grace_s"}
+    assert not ElasticEvent.objects.filter(kind="job_edited").exists()
+    response = admin_client_logged_in.post(url, _posted(page, integration="signal", dp_min=2, dp_max=2,
+                                                        entrypoint='["train.py", "--fast"]'))
+    assert response.status_code == 302, _errors(response)
+    job.refresh_from_db()
+    assert (job.integration, job.entrypoint, job.dp_min, job.dp_max) == ("signal", ["train.py", "--fast"], 2, 2)
+    event = ElasticEvent.objects.get(kind="job_edited")
+    assert "entrypoint -m trainer_agent.reference → train.py --fast" in event.reason["text"]
+
+
+def test_a_running_jobs_env_shows_its_names_only(admin_client_logged_in, make_nodes, make_job):
+    node = make_nodes()[0]
+    job = actions.place_job(make_job(env={"WANDB_API_KEY": SECRET}), [(node, 0), (node, 1)], actor="planner",
+                            reason=PLACED)
+    page = admin_client_logged_in.get(_url(Job, "change", job.pk))
+    assert "env" not in page.context["adminform"].form.fields
+    content = page.content.decode()
+    assert "WANDB_API_KEY" in content and SECRET not in content

@@ -60,8 +60,10 @@ def test_auditor_and_outsider_may_not_submit(auditor, outsider):
     assert api_client(outsider).post("/api/jobs/", SPEC, format="json").status_code == 403
 
 
-def test_anonymous_gets_403_from_the_api():
-    assert api_client().get("/api/jobs/").status_code == 403
+def test_anonymous_gets_401_naming_the_token_scheme():
+    response = api_client().get("/api/jobs/")
+    assert response.status_code == 401
+    assert response["WWW-Authenticate"] == "Token"
 
 
 def test_researcher_cancels_own_job_but_not_anothers(researcher, other_researcher, make_job):

@@ -31,6 +31,8 @@ def _check(env: dict[str, str]) -> subprocess.CompletedProcess:
         ({"REDIS_URL": "http://localhost"}, "REDIS_URL"),
         ({"DATABASE_URL": "postgres://u@h/db"}, "SECRET_KEY"),
         ({"SECRET_KEY_FILE": "/nonexistent/secret"}, "SECRET_KEY_FILE"),
+        ({"OMNI_RDZV_PORTS": "29400-2000"}, "OMNI_RDZV_PORTS"),
+        ({"OMNI_RDZV_PORTS": "many"}, "OMNI_RDZV_PORTS"),
     ],
 )
 def test_bad_environment_stops_startup_naming_the_variable(env, variable):

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
+from jobs.management.commands._operator import USAGE_ERROR, OperatorCommand
 from jobs.models import Node
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = "Issue a new agent token for NODE (replacing any old one) and print it once; only its hash is stored."
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("node", help="node name")
 
     @transaction.atomic
-    def handle(self, *args, node: str, **options) -> None:
+    def handle(self, *args: Any, node: str, **options: Any) -> None:
         try:
             target = Node.objects.select_for_update().get(name=node)
         except Node.DoesNotExist:
-            raise CommandError(f"no node named {node!r}", returncode=2) from None
+            raise CommandError(f"no node named {node!r}", returncode=USAGE_ERROR) from None
         token = target.issue_token()
         target.save(update_fields=["agent_token_hash"])
         self.stdout.write(token)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.core.management.base import BaseCommand
@@ -53,6 +54,13 @@ STORY_JOBS = [
     ("debug-tokenizer", "bob", Priority.BEST_EFFORT, 1, 1, 1, 1, 1, 16, 2, 100_000, 1.0, 10),
 ]
 STORY_WINDOW_IN_S = 150
+# A researcher's own script with no Omni import (examples/ddp_plain.py), run by torchrun in
+# signal mode: preempted with SIGTERM, it saves its own checkpoint within grace_s.
+EXAMPLE_JOB = dict(
+    name="ddp-example", priority=Priority.REGULAR, dp=2, global_batch=32, micro_batch=16, total_steps=100_000,
+    step_s=1.0, entrypoint=[str(settings.BASE_DIR / "examples" / "ddp_plain.py"), "--step-s", "1.0"],
+    integration="signal", grace_s=20.0,
+)
 
 
 class Command(BaseCommand):
@@ -126,6 +134,7 @@ class Command(BaseCommand):
                 global_batch=gb, micro_batch=mb, total_steps=steps, step_s=step_s, checkpoint_every_steps=every,
                 checkpoint_save_s=2.0, checkpoint_load_s=3.0, min_run_s=0 if priority != Priority.REGULAR else None,
             )
+        jobs["ddp-example"] = actions.submit_job(users["bob"], **EXAMPLE_JOB)
         actions.create_reservation(
             users["olga"], name="omni-7b-window", job=jobs["omni-7b"], gpus=8,
             start_at=timezone.now() + timedelta(seconds=STORY_WINDOW_IN_S), period_s=1800, active_s=600,
