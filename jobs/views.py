@@ -266,7 +266,8 @@ def _workload(job: Job) -> dict[str, Any]:
         "workdir": job.workdir or "the job's run dir",
         "stop": (f"SIGTERM, {job.grace_s:g} s grace, then SIGKILL; not elastic" if signal_mode
                  else "cooperative checkpoint-and-stop (Omni runtime); elastic by whole replicas"),
-        "integration": job.get_integration_display(),
+        "integration": ("signal: any script, no Omni import" if signal_mode
+                        else "omni: the script uses trainer_agent.runtime"),
         "env_names": sorted(job.env),
         "restarts": f"{job.restarts} of {job.max_restarts} used" if job.max_restarts else "none (max_restarts 0)",
         "run_id": job.run_id,

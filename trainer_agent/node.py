@@ -696,7 +696,9 @@ class NodeAgent:
             await self._kill_and_wait(current)
         started = time.perf_counter()
         handle = await self._launch(job, payload)
-        self._done(command_id, True, checkpoint_step=handle.resume_step, step=handle.resume_step,
+        # A signal job's checkpoints are its own: Omni reports none.
+        resumed = handle.resume_step if handle.integration == "omni" else None
+        self._done(command_id, True, checkpoint_step=resumed, step=resumed,
                    load_s=round(time.perf_counter() - started, 4), outcome="launched",
                    run_id=payload.get("run_id"))
 

@@ -502,7 +502,29 @@
       const saved = checkpointOf(e);
       if (saved) noteCheckpoint(saved);
       if (job.last_checkpoint_step > 0) noteCheckpoint({step: job.last_checkpoint_step, at: job.last_checkpoint_at || null, save_s: null});
+      const failure = (e.outcome || {}).failure;
+      if (failure && (e.kind === "fail" || e.kind === "restart")) showFailure(failure, job);
     }));
+  }
+
+  // The failure box (Job.failure, docs/workloads.md), drawn with the page and redrawn when a
+  // fail or restart row arrives: the same words as jobs.views.failure_note.
+  function showFailure(failure, job) {
+    const who = Number.isInteger(failure.rank) ? "Rank " + failure.rank : "torchrun";
+    const how = failure.signal ? "exited with signal " + failure.signal
+      : (failure.code !== null && failure.code !== undefined) ? "exited with code " + failure.code : "failed";
+    const where = failure.node ? " on " + failure.node : "";
+    const parts = [el("strong", {text: job.state === "failed" ? "Failed" : "Last failure"}),
+      el("span", {"data-f": "sentence", text: who + where + " " + how})];
+    if (failure.at) parts.push(", ", timeEl(new Date(failure.at * 1000).toISOString()));
+    if (failure.run_id) parts.push(" ", el("span", {class: "faint small", text: "· run " + failure.run_id}));
+    if (failure.tail) parts.push(el("pre", {class: "failure-tail", "data-f": "tail", text: failure.tail}));
+    let box = $("#job-failure");
+    if (!box) {
+      box = el("div", {class: "callout bad failure", id: "job-failure"});
+      $(".page-head").after(box);
+    }
+    box.replaceChildren(...parts);
   }
 
   // The job page's Logs panel (docs/logs.md): the newest lines came with the page; job_logs

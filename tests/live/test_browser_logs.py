@@ -110,3 +110,20 @@ def test_the_view_follows_new_lines_until_the_user_scrolls_up(open_as, asgi_serv
 
     page.check("#log-follow")  # follow again: to the newest line
     page.wait_for_function(at_bottom, timeout=LIVE_S)
+
+
+def test_a_failure_while_the_page_is_open_draws_the_failure_box(open_as, asgi_server, researcher, agent):
+    page = open_as(researcher)
+    page.goto(f"{asgi_server}/jobs/{agent.job.pk}/")
+    wait_live(page)
+    assert page.locator("#job-failure").count() == 0
+    outcome = {"outcome": "failed", "run_id": "chatty-1", "leader": True, "code": 1, "rank": 2, "at": time.time(),
+               "error": "Traceback (most recent call last):\nValueError: the batch does not split"}
+    in_thread(lambda: actions.record_worker_exit(Node.objects.get(pk=agent.node.pk), agent.job.name, outcome))
+    box = page.locator("#job-failure")
+    box.wait_for(timeout=LIVE_S)
+    assert box.locator("strong").inner_text() == "Failed"
+    assert box.locator("[data-f=sentence]").inner_text() == f"Rank 2 on {agent.node.name} exited with code 1"
+    assert "ValueError: the batch does not split" in box.locator("[data-f=tail]").inner_text()
+    page.reload()  # the page drawn afresh says the same
+    assert page.locator("#job-failure [data-f=sentence]").inner_text() == f"Rank 2 on {agent.node.name} exited with code 1"

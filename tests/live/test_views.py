@@ -506,3 +506,19 @@ def test_an_empty_checkpoint_table_and_card_say_none_yet(researcher, cluster):
     html = client_for(researcher).get(reverse("job-page", args=[cluster["mine"].pk])).content.decode()
     assert "None yet." in _job_section(html, "checkpoints")
     assert '<span class="num" data-f="step">—</span>' in html and 'data-f="at">: none yet</span>' in html
+
+
+def test_job_page_shows_the_workload_with_env_names_but_never_values(researcher, cluster):
+    from jobs.models import Job
+
+    mine = cluster["mine"]
+    Job.objects.filter(pk=mine.pk).update(
+        dp_min=mine.dp, dp_max=mine.dp, entrypoint=["train.py", "--data", "/data/laion shard"],
+        integration="signal", grace_s=45.0,
+        env={"WANDB_API_KEY": "wk-secret-value", "HF_HOME": "/cache/hf"}, max_restarts=2, restarts=1)
+    body = client_for(researcher).get(reverse("job-page", args=[cluster["mine"].pk])).content.decode()
+    workload = body[body.index('id="workload"'):body.index("<h2>Checkpoints</h2>")]
+    assert "train.py --data &#x27;/data/laion shard&#x27;" in workload
+    assert "SIGTERM, 45 s grace, then SIGKILL; not elastic" in workload
+    assert "WANDB_API_KEY" in workload and "HF_HOME" in workload and "1 of 2 used" in workload
+    assert "wk-secret-value" not in body and "/cache/hf" not in body
