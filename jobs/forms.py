@@ -1,4 +1,4 @@
-"""Forms of the live pages: filters (dashboard, audit) and the operator's edits.
+"""Forms of the live pages: filters (dashboard, audit), the submit form and the operator's edits.
 
 Forms only parse and check single fields; cross-field rules live in ``jobs.actions`` so the
 API, the admin and these pages refuse the same things with the same words.
@@ -7,6 +7,7 @@ API, the admin and these pages refuse the same things with the same words.
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 from django import forms
@@ -14,7 +15,17 @@ from django.core.exceptions import ValidationError
 from django.db.models import Q, TextField
 from django.db.models.functions import Cast
 
-from jobs.models import Job, JobState, PlannerControl, Priority, Reservation
+from jobs import roles
+from jobs.actions import jobs as job_actions
+from jobs.models import (
+    REFERENCE_ENTRYPOINT,
+    Integration,
+    Job,
+    JobState,
+    PlannerControl,
+    Priority,
+    Reservation,
+)
 from jobs.vocab import EVENT_KIND_LABELS, choices
 
 STATE_GROUPS = {
@@ -205,3 +216,120 @@ class ReservationForm(forms.Form):
         else:
             self.add_error(None, error.messages)
 
+
+
+class SubmitJobForm(forms.Form):
+    """The dashboard's submit form: one job's spec, each field parsed and range-checked here
+    (the API serializer's ranges); everything across fields and against the cluster is
+    ``submit_job``'s (``check_submission``), shown on the fields it names.
+
+    The entrypoint is one shell-like line (``shlex``), the environment ``NAME=value`` lines whose
+    values never come back (``EnvField``). Signal mode is not elastic: its DP bounds are dp's.
+    """
+
+    name = forms.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128,
+                            help_text="Letters, digits, ., _ and -.",
+                            error_messages={"invalid": "Letters, digits, ., _ and - only (first a letter or digit)."})
+    priority = forms.ChoiceField(label="Class", choices=Priority.choices, initial=Priority.REGULAR)
+    entrypoint = forms.CharField(
+        max_length=job_actions.ENTRYPOINT_MAX_ARGS * (job_actions.ARG_MAX_CHARS + 3), strip=False,
+        initial=shlex.join(REFERENCE_ENTRYPOINT), widget=forms.TextInput(attrs={"spellcheck": "false"}),
+        help_text="As in a shell: train.py --lr 3e-4, or -m my_pkg.train. A .py file or -m runs with the node's "
+                  "Python.",
+    )
+    workdir = forms.CharField(required=False, max_length=job_actions.WORKDIR_MAX_CHARS, strip=False,
+                              label="Working directory", help_text="An absolute path; empty: the job's run dir.")
+    env = EnvField(label="Environment",
+                   help_text="One variable a line, NAME=value. Values are never shown back: if the form comes "
+                             "back with a problem, type them again.")
+    integration = forms.ChoiceField(choices=Integration.choices, initial=Integration.OMNI,
+                                    help_text="omni: elastic, checkpoints through Omni's runtime. signal: any "
+                                              "script, SIGTERM then SIGKILL after the grace; not elastic.")
+    grace_s = forms.FloatField(required=False, min_value=0.001, max_value=job_actions.GRACE_S_MAX, initial=30,
+                               label="Grace (s)", help_text="Signal mode: seconds from SIGTERM to SIGKILL.")
+    max_restarts = forms.IntegerField(min_value=0, max_value=job_actions.MAX_RESTARTS_MAX, initial=0,
+                                      label="Restarts after a failure")
+    tp = forms.IntegerField(min_value=1, max_value=64, initial=1, label="TP")
+    pp = forms.IntegerField(min_value=1, max_value=128, initial=1, label="PP")
+    dp = forms.IntegerField(min_value=1, max_value=4096, initial=2, label="DP")
+    dp_min = forms.IntegerField(required=False, min_value=1, max_value=4096, label="DP at least",
+                                help_text="Empty: dp.")
+    dp_max = forms.IntegerField(required=False, min_value=1, max_value=4096, label="DP at most",
+                                help_text="Empty: dp.")
+    global_batch = forms.IntegerField(min_value=1, initial=64, label="Global batch")
+    micro_batch = forms.IntegerField(min_value=1, initial=4, label="Micro-batch")
+    total_steps = forms.IntegerField(min_value=1, initial=1000, label="Steps")
+    step_s = forms.FloatField(min_value=0.001, max_value=86400, initial=1.0, label="Seconds per step",
+                              help_text="Expected; the ETA uses it until steps are measured.")
+    checkpoint_every_steps = forms.IntegerField(min_value=1, initial=500, label="Checkpoint every (steps)")
+
+    # The job's shape: what the preview needs to say anything.
+    LAYOUT_FIELDS = ("tp", "pp", "dp", "dp_min", "dp_max")
+
+    def __init__(self, *args: Any, user, **kwargs: Any) -> None:
+        kwargs.setdefault("auto_id", "submit_%s")  # the dashboard's filters have their own id_priority
+        super().__init__(*args, **kwargs)
+        # Only the classes this user may submit: critical is operators' (submit_job refuses it).
+        if not roles.is_operator(user):
+            self.fields["priority"].choices = [(v, label) for v, label in Priority.choices
+                                               if v != Priority.CRITICAL]
+
+    def clean_entrypoint(self) -> list[str]:
+        try:
+            words = shlex.split(self.cleaned_data["entrypoint"])
+        except ValueError as exc:  # an unclosed quote
+            raise ValidationError(f"not a shell-like line: {exc}") from exc
+        if not words:
+            raise ValidationError("This field is required.")
+        return words
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if data.get("integration") == Integration.SIGNAL:
+            data["dp_min"] = data["dp_max"] = None  # not elastic: both bounds are dp
+        elif "grace_s" in data:
+            data["grace_s"] = None  # only signal mode has a grace
+        return data
+
+    def spec(self, data: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The keyword arguments of ``submit_job`` (and ``check_submission``) from cleaned data;
+        an empty optional field takes the action's default."""
+        data = self.cleaned_data if data is None else data
+        return {name: value for name, value in data.items() if value is not None}
+
+    def preview_spec(self) -> dict[str, Any]:
+        """What the live preview checks while the form is still being filled in: every field
+        that parsed, and for the others their initial value, so one unfinished field does not
+        hide what the rest would do. The fields that took a default are ``preview_defaulted``."""
+        self.is_valid()
+        data = dict(self.cleaned_data)
+        self.preview_defaulted = set(self.fields) - set(data)
+        for name in self.preview_defaulted:
+            field = self.fields[name]
+            if name == "name":
+                data[name] = ""  # no job has it, so the name check says nothing
+            elif name == "entrypoint":
+                data[name] = list(REFERENCE_ENTRYPOINT)
+            elif name == "env":
+                data[name] = {}
+            elif field.required:
+                data[name] = field.initial
+            else:
+                data[name] = None
+        if data.get("integration") == Integration.SIGNAL:
+            data["dp_min"] = data["dp_max"] = None
+        elif data.get("integration") is not None:
+            data["grace_s"] = None
+        return self.spec(data)
+
+    def add_action_errors(self, error: ValidationError, skip: set[str] = frozenset()) -> None:
+        """Show an action's ValidationError on the fields it names (or on the form)."""
+        if not hasattr(error, "error_dict"):
+            self.add_error(None, error.messages)
+            return
+        for name, messages in error.message_dict.items():
+            if name in skip:
+                continue
+            if name in self.fields and name in self.errors:
+                continue  # the field's own problem is the one to fix first
+            self.add_error(name if name in self.fields else None, messages)

@@ -51,6 +51,12 @@ def is_researcher(user) -> bool:
     return RESEARCHER in role_names(user)
 
 
+def can_submit(user) -> bool:
+    """Researchers and operators submit jobs; auditors only read (the API, the submit form)."""
+    names = role_names(user)
+    return RESEARCHER in names or OPERATOR in names
+
+
 def has_any_role(user) -> bool:
     return bool(role_names(user))
 

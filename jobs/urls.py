@@ -6,6 +6,8 @@ from jobs import views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
+    path("jobs/new/", views.job_submit, name="job-submit"),
+    path("jobs/preview/", views.job_submit_preview, name="job-submit-preview"),
     path("jobs/<int:pk>/", views.job_detail, name="job-page"),
     path("jobs/<int:pk>/cancel/", views.job_cancel, name="job-page-cancel"),
     path("console/", views.console, name="console"),

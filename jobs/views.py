@@ -28,6 +28,7 @@ from django.http import (
     HttpRequest,
     HttpResponse,
     HttpResponseBase,
+    JsonResponse,
     StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404, redirect, render
@@ -35,9 +36,9 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs import actions, roles
-from jobs.actions.jobs import entrypoint_words
+from jobs.actions.jobs import SubmissionCheck, check_submission, entrypoint_words
 from jobs.audit import GENESIS_HASH, link_problem
-from jobs.forms import AuditFilterForm, JobFilterForm, PlannerControlForm, ReservationForm
+from jobs.forms import AuditFilterForm, JobFilterForm, PlannerControlForm, ReservationForm, SubmitJobForm
 from jobs.live_consumers import payload_for_user
 from jobs.live_data import (
     CLASS_ORDER,
@@ -71,6 +72,8 @@ from jobs.models import (
     PlannerControl,
     Reservation,
 )
+from jobs.planner.layout import fit_problems
+from jobs.planner.wording import plural
 from jobs.waiting import waiting_note
 
 AUDIT_PAGE_SIZE = 100
@@ -115,9 +118,18 @@ def _page_context(request: HttpRequest, section: str) -> dict[str, Any]:
 # -- researchers: the dashboard ---------------------------------------------------------------
 
 
+submitter = role_required(roles.can_submit, "only researchers and operators submit jobs")
+
+
 @require_GET
 @any_role
 def dashboard(request: HttpRequest) -> HttpResponse:
+    """The jobs list, with the submit form for those who may submit."""
+    form = SubmitJobForm(user=request.user) if roles.can_submit(request.user) else None
+    return render(request, "jobs/dashboard.html", _dashboard_context(request, form))
+
+
+def _dashboard_context(request: HttpRequest, submit_form: SubmitJobForm | None) -> dict[str, Any]:
     """My jobs (everyone's for operators and auditors) with progress, ETA and the last word.
 
     Every row is a job ``roles.visible_jobs`` lets the viewer see; a row they may only
@@ -175,8 +187,74 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "gpus_total": sum(Node.objects.values_list("gpu_count", flat=True)),
         "gpus_used": Allocation.objects.count(),
         "gpus_borrowed": Allocation.objects.filter(borrowed_from__isnull=False).count(),
+        "submit_form": submit_form,
     }
-    return render(request, "jobs/dashboard.html", context)
+    return context
+
+
+@require_POST
+@submitter
+def job_submit(request: HttpRequest) -> HttpResponse:
+    """The dashboard's submit form: ``submit_job`` with the API's rules, its refusals shown on the
+    fields they name (the dashboard again, 400); a submitted job's page next."""
+    form = SubmitJobForm(request.POST, user=request.user)
+    if form.is_valid():
+        try:
+            job = actions.submit_job(request.user, **form.spec())
+        except ValidationError as exc:
+            form.add_action_errors(exc)
+        else:
+            messages.success(request, f"Submitted {job.name}: {job.gpus_wanted} GPUs wanted; the planner places it.")
+            return redirect("job-page", pk=job.pk)
+    return render(request, "jobs/dashboard.html", _dashboard_context(request, form), status=400)
+
+
+@require_POST
+@submitter
+def job_submit_preview(request: HttpRequest) -> JsonResponse:
+    """The submit form's live check: the form's own field problems, then every rule
+    ``submit_job`` applies (``check_submission``, nothing saved), by field, and the job in words.
+    Fields not filled in yet are checked at their defaults and their problems left to the form."""
+    form = SubmitJobForm(request.POST, user=request.user)
+    checked = check_submission(request.user, **form.preview_spec())
+    form.add_action_errors(ValidationError(checked.errors), skip=form.preview_defaulted)
+    wrong = set(form.errors)
+    return JsonResponse({
+        "errors": {name: list(problems) for name, problems in form.errors.items()},
+        # No words for a shape that cannot run (or is not typed in yet): its message says why.
+        "preview": "" if wrong & set(SubmitJobForm.LAYOUT_FIELDS) else submission_preview(checked, wrong),
+    })
+
+
+def submission_preview(checked: SubmissionCheck, wrong: set[str] = frozenset()) -> str:
+    """The job in words, as the planner would size and fit it: "Needs 8 GPUs: 2 replicas of TP 4;
+    accumulation 4; fits on 1 of 3 switches." The fit is ``fit_problems``, the rule submission
+    refuses by, asked of each leaf switch at the preferred DP. ``wrong``: fields with a problem,
+    whose facts are left out."""
+    job = checked.job
+    shape = " × ".join(f"{name} {n}" for name, n in (("TP", job.tp), ("PP", job.pp)) if n > 1) or "1 GPU"
+    parts = [f"Needs {plural(job.gpus_wanted, 'GPU')}: {plural(job.dp, 'replica')} of {shape}"]
+    if job.dp_min != job.dp_max:
+        parts[0] += f" (elastic: {job.dp_min} to {job.dp_max} replicas)"
+    if not wrong & {"global_batch", "micro_batch"}:
+        parts.append(f"accumulation {job.accum_steps} (global batch {job.global_batch} = micro-batch "
+                     f"{job.micro_batch} × {job.dp} × {job.accum_steps})")
+    switches = checked.switch_gpus
+    switch_words = f"{len(switches)} switch" if len(switches) == 1 else f"{len(switches)} switches"
+    if not switches:
+        parts.append("no nodes registered yet")
+    else:
+        fits = sum(1 for gpus in switches.values() if not fit_problems(job.tp, job.pp, job.dp, gpus))
+        if fits:
+            parts.append(f"fits on {fits} of {switch_words}")
+        elif not fit_problems(job.tp, job.pp, job.dp, checked.node_gpus):
+            parts.append(f"no single switch holds it: its replicas span several of the {switch_words}")
+        else:
+            room = sum(n // job.tp for n in checked.node_gpus) // job.pp
+            parts.append(f"the whole cluster has room for {plural(room, 'replica')} of it, so it runs below DP {job.dp}")
+    if not wrong & {"total_steps", "step_s"}:
+        parts.append(f"{job.total_steps} steps × {job.step_s:g} s ≈ {human_duration(job.total_steps * job.step_s)}")
+    return "; ".join(parts) + "."
 
 
 # -- researchers: the job page ------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
@@ -21,7 +22,7 @@ from jobs.audit import record_event
 from jobs.models import Allocation, Integration, Job, JobState, Node, PlannerControl, Priority, Reservation
 from jobs.models.jobs import ACTIVE_JOB_STATES, reference_entrypoint
 from jobs.planner.layout import fit_problems
-from jobs.roles import require_job_actor, require_operator
+from jobs.roles import is_operator, require_job_actor, require_operator
 from jobs.vocab import EventKind
 
 # -- the workload: what a job runs (docs/workloads.md) ---------------------------------------------
@@ -120,8 +121,22 @@ def env_names(env: dict[str, str]) -> list[str]:
     return sorted(env)
 
 
-@transaction.atomic
-def submit_job(
+@dataclass
+class SubmissionCheck:
+    """What ``check_submission`` found: the job as it would be saved (unsaved), the problems by
+    field ({} when it may be submitted) and the GPUs of every node by leaf switch, so that a
+    preview can say where it fits by the same rule (``fit_problems``)."""
+
+    job: Job
+    errors: FieldErrors
+    switch_gpus: dict[str, list[int]]
+
+    @property
+    def node_gpus(self) -> list[int]:
+        return [gpus for nodes in self.switch_gpus.values() for gpus in nodes]
+
+
+def check_submission(
     owner,
     *,
     name: str,
@@ -147,22 +162,17 @@ def submit_job(
     grace_s: float = 30.0,
     max_restarts: int = 0,
     keep_checkpoints: int = 3,
-) -> Job:
-    """Queue a new job at its preferred DP; the planner places it.
-
-    Refused with a message per field (the API's 400) when the spec is inconsistent, its workload
-    cannot run (``workload_problems``: a signal-mode job is not elastic, so its DP bounds default
-    to ``dp`` and must equal it) or the job could never run on this cluster
-    (``jobs.planner.layout.fit_problems``: a tensor-parallel group larger than the largest node,
-    more replicas at the least than the cluster holds). The audit row names the environment's
-    variables, never their values.
-    """
-    if priority == Priority.CRITICAL:
-        require_operator(owner, "submit critical jobs (they carry reservations and SLAs)")
+) -> SubmissionCheck:
+    """Every rule ``submit_job`` applies, without writing anything: the submit form's live
+    preview asks it, ``submit_job`` asks it and refuses what it finds (docstring there). A
+    critical job from a non-operator is a ``priority`` problem here (``submit_job`` refuses it
+    with a 403 before asking)."""
+    errors: FieldErrors = {}
+    if priority == Priority.CRITICAL and not is_operator(owner):
+        errors["priority"] = ["only operators may submit critical jobs (they carry reservations and SLAs)"]
     min_field = "dp" if dp_min is None else "dp_min"  # name the field the submitter sent
     dp_min = dp if dp_min is None else dp_min
     dp_max = dp if dp_max is None else dp_max
-    errors: FieldErrors = {}
     if micro_batch and dp and global_batch % (micro_batch * dp):
         errors["global_batch"] = [
             f"global batch {global_batch} is not micro-batch {micro_batch} × dp {dp} × a whole number of "
@@ -172,10 +182,13 @@ def submit_job(
         errors["dp_min"] = [f"dp_min {dp_min} is larger than dp_max {dp_max}"]
     elif not dp_min <= dp <= dp_max:
         errors["dp"] = [f"dp {dp} is outside [dp_min {dp_min}, dp_max {dp_max}]"]
+    switch_gpus: dict[str, list[int]] = {}
+    for switch, gpus in Node.objects.order_by("switch").values_list("switch", "gpu_count"):
+        switch_gpus.setdefault(switch, []).append(gpus)
     if tp >= 1 and pp >= 1 and dp_min >= 1:
-        node_gpus = list(Node.objects.values_list("gpu_count", flat=True))
-        for field, problem in fit_problems(tp, pp, dp_min, node_gpus).items():
-            errors.setdefault(min_field if field == "dp_min" else field, [problem])
+        node_gpus = [gpus for nodes in switch_gpus.values() for gpus in nodes]
+        for problem_field, problem in fit_problems(tp, pp, dp_min, node_gpus).items():
+            errors.setdefault(min_field if problem_field == "dp_min" else problem_field, [problem])
     if Job.objects.filter(name=name).exists():
         errors["name"] = [f"a job named {name!r} already exists"]
     if min_run_s is None:
@@ -207,10 +220,30 @@ def submit_job(
         max_restarts=max_restarts,
         keep_checkpoints=keep_checkpoints,
     )
-    for field, problems in workload_problems(job).items():
-        errors.setdefault(field, problems)
-    if errors:
-        raise ValidationError(errors)
+    for problem_field, problems in workload_problems(job).items():
+        errors.setdefault(problem_field, problems)
+    return SubmissionCheck(job=job, errors=errors, switch_gpus=switch_gpus)
+
+
+@transaction.atomic
+def submit_job(owner, *, priority: str, **spec: Any) -> Job:
+    """Queue a new job at its preferred DP; the planner places it. ``spec``: the keyword
+    arguments of ``check_submission`` (name, dp, global_batch, micro_batch, total_steps, step_s
+    and the optional layout, estimates and workload).
+
+    Refused with a message per field (the API's 400) when the spec is inconsistent, its workload
+    cannot run (``workload_problems``: a signal-mode job is not elastic, so its DP bounds default
+    to ``dp`` and must equal it) or the job could never run on this cluster
+    (``jobs.planner.layout.fit_problems``: a tensor-parallel group larger than the largest node,
+    more replicas at the least than the cluster holds). The audit row names the environment's
+    variables, never their values.
+    """
+    if priority == Priority.CRITICAL:
+        require_operator(owner, "submit critical jobs (they carry reservations and SLAs)")
+    checked = check_submission(owner, priority=priority, **spec)
+    if checked.errors:
+        raise ValidationError(checked.errors)
+    job = checked.job
     job.full_clean()
     job.save()
     record_event(
@@ -228,7 +261,7 @@ def submit_job(
             f"{job.tp}x{job.pp}x{job.dp} = {job.gpus_wanted} GPUs, global batch {job.global_batch}), running "
             f"{entrypoint_words(job.entrypoint)} ({job.integration}).",
             "inputs": {
-                "tp": tp, "pp": pp, "dp": dp, "dp_min": dp_min, "dp_max": dp_max,
+                "tp": job.tp, "pp": job.pp, "dp": job.dp, "dp_min": job.dp_min, "dp_max": job.dp_max,
                 "entrypoint": job.entrypoint, "workdir": job.workdir, "env": env_names(job.env),
                 "integration": job.integration, "grace_s": job.grace_s, "max_restarts": job.max_restarts,
                 "keep_checkpoints": job.keep_checkpoints,

@@ -100,7 +100,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     @extend_schema(request=JobSubmitSerializer, responses={201: JobSerializer})
     def create(self, request: Request) -> Response:
-        if not (roles.is_researcher(request.user) or roles.is_operator(request.user)):
+        if not roles.can_submit(request.user):
             return Response({"detail": "only researchers and operators submit jobs"}, status=status.HTTP_403_FORBIDDEN)
         submit = JobSubmitSerializer(data=request.data)
         submit.is_valid(raise_exception=True)

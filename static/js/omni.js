@@ -851,7 +851,65 @@
     }));
   }
 
-  window.Omni = {dashboard, jobPage, consolePage, auditPage, confirmDialog, LiveSocket, upgradeTimes};
+  // -- the submit form (dashboard) ---------------------------------------------------------------
+  // POST /jobs/preview/ (jobs.views.job_submit_preview) runs submit_job's checks without saving,
+  // 300 ms after the last keystroke; each field's problems go under it ([data-errors-for]), an
+  // empty field's only once the user has touched it, and the job in words below. Signal mode is not elastic: its DP bounds follow dp and cannot be typed.
+  function submitForm() {
+    const form = $("#submit-form");
+    if (!form) return;
+    const preview = $("#submit-preview"), touched = new Set();
+    $$(".field.invalid", form).forEach((f) => touched.add(f.dataset.fieldName));
+    let timer = null, asked = 0;
+    function signalMode() {
+      const signal = form.elements.integration.value === "signal";
+      ["dp_min", "dp_max"].forEach((name) => {
+        const input = form.elements[name];
+        input.disabled = signal;
+        if (signal) input.value = form.elements.dp.value;
+      });
+      form.elements.grace_s.disabled = !signal;
+      $("[data-field-name=grace_s]", form).classList.toggle("off", !signal);
+    }
+    function showErrors(errors) {
+      $$("[data-errors-for]", form).forEach((list) => {
+        const name = list.dataset.errorsFor, field = list.closest(".field"), input = form.elements[name];
+        // A field not filled in yet says nothing until touched; a rule across fields always speaks.
+        const quiet = !touched.has(name) && input && !input.value;
+        const problems = quiet ? [] : errors[name] || [];
+        list.replaceChildren(...problems.map((text) => el("li", {text})));
+        if (field) field.classList.toggle("invalid", problems.length > 0);
+      });
+    }
+    async function check() {
+      const mine = ++asked;
+      let answer;
+      try {
+        const response = await fetch(form.dataset.previewUrl, {method: "POST", body: new FormData(form),
+          headers: {"X-CSRFToken": csrfToken()}, credentials: "same-origin"});
+        if (!response.ok) throw new Error("HTTP " + response.status);
+        answer = await response.json();
+      } catch (err) {
+        if (mine === asked) preview.textContent = "Could not check the form just now (" + err.message + ").";
+        return;
+      }
+      if (mine !== asked) return;  // a later answer is on its way
+      showErrors(answer.errors || {});
+      preview.textContent = answer.preview || "";
+      preview.classList.toggle("bad", $$(".field.invalid", form).length > 0);
+    }
+    form.addEventListener("input", (event) => {
+      if (event.target.name) touched.add(event.target.name);
+      if (event.target.name === "integration" || event.target.name === "dp") signalMode();
+      clearTimeout(timer);
+      timer = setTimeout(check, 300);
+    });
+    form.addEventListener("submit", () => { $$("[name]", form).forEach((input) => touched.add(input.name)); });
+    signalMode();
+    check();
+  }
+
+  window.Omni = {dashboard, submitForm, jobPage, consolePage, auditPage, confirmDialog, LiveSocket, upgradeTimes};
   initTheme();
   initConfirmForms();
   upgradeTimes(document);
