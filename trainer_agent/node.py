@@ -694,6 +694,12 @@ class NodeAgent:
             logger.warning("%s: ranks of run %s still alive; killing them before run %s", job,
                            current.payload.get("run_id"), payload.get("run_id"))
             await self._kill_and_wait(current)
+        busy = _rendezvous_port_taken(payload, self.node)
+        if busy:
+            # Taken outside Omni (the control plane never gives two live jobs one port): the
+            # launch fails, the job recovers, and the next launch draws another port.
+            self._done(command_id, False, error=busy, run_id=payload.get("run_id"))
+            return
         started = time.perf_counter()
         handle = await self._launch(job, payload)
         # A signal job's checkpoints are its own: Omni reports none.
@@ -915,6 +921,23 @@ class NodeAgent:
         deadline = time.monotonic() + 5.0
         while any(w.alive() for w in self.jobs.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+
+def _rendezvous_port_taken(payload: dict[str, Any], node: str) -> str:
+    """On the leader, whether the run's rendezvous port can be bound: a reason when not."""
+    rdzv = payload.get("rdzv")
+    placement = payload.get("placement") or []
+    if not rdzv or not placement or placement[0].get("node") != node:
+        return ""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("", int(rdzv["port"])))
+    except OSError as exc:
+        return f"rendezvous port {rdzv['port']} is in use on {node} ({exc.strerror}); the job recovers on another port"
+    finally:
+        probe.close()
+    return ""
 
 
 def _log_shipper() -> Any:

@@ -193,8 +193,9 @@ def control_cluster(request, transactional_db, tmp_path) -> Iterator[Cluster]:
         "OMNI_PLANNER_OVERRIDES": '{"startup_s": 1, "reclaim_margin_s": 3, "min_loan_steps": 2}',
         "OMP_NUM_THREADS": "1",
         # Rendezvous ports of this test's jobs: a random block, so suites running side by side
-        # on one machine do not pick the same ones.
-        "OMNI_RDZV_PORTS": f"{(base := random.randrange(20000, 50000))}-{base + 199}",
+        # on one machine do not pick the same ones, below Linux's ephemeral ports (32768-60999),
+        # which any outgoing connection may hold.
+        "OMNI_RDZV_PORTS": f"{(base := random.randrange(20000, 32000))}-{base + 199}",
         "LOG_LEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
     }

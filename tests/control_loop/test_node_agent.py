@@ -93,3 +93,27 @@ def test_a_clean_command_removes_the_run_dir_but_never_under_live_ranks(tmp_path
         agent.jobs["be"].signal(signal.SIGKILL)
 
     asyncio.run(scenario())
+
+
+def test_a_start_whose_rendezvous_port_is_taken_fails_at_once_so_the_job_recovers(tmp_path):
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+
+    async def scenario():
+        agent = NodeAgent("http://127.0.0.1:9", "token", node="n1", gpus=GpuInventory(2), runs_dir=tmp_path)
+        payload = _payload(run_id="be-1", rdzv={"host": "127.0.0.1", "port": port},
+                           placement=[{"node": "n1", "gpus": [0], "address": "127.0.0.1"}],
+                           workload={"entrypoint": ["x.py"], "integration": "signal"})
+        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be", "payload": payload})
+        done = [f for f in agent.control_out if f["type"] == "done"][0]
+        assert done["ok"] is False and f"rendezvous port {port} is in use on n1" in done["outcome"]["error"]
+        assert "be" not in agent.jobs  # nothing launched
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        holder.close()
