@@ -198,6 +198,7 @@
         if (data.type === "error") { console.warn("omni live:", data.message); return; }
         if (data.type === "subscribed") {  // tests (and curious people) can see the page is live
           document.body.dataset.liveSubscribed = String(Number(document.body.dataset.liveSubscribed || 0) + 1);
+          (this.handlers.subscribed || []).forEach((h) => h(data));
           return;
         }
         if (data.type !== "live") return;
@@ -561,19 +562,46 @@
     follow.addEventListener("change", scrollDown);
     box.addEventListener("scroll", () => { follow.checked = atBottom(); });
     box.scrollTop = box.scrollHeight;
+    function addLines(lines) {
+      lines.forEach((line) => {
+        if (seen.has(String(line.id))) return;
+        seen.add(String(line.id));
+        offerRank(line.rank);
+        const row = el("div", {class: "log-line " + line.stream, "data-id": line.id, "data-rank": line.rank,
+          title: (line.node || "") + " · rank " + line.rank + " · std" + line.stream}, [
+          el("span", {class: "rank", text: String(line.rank)}), el("span", {class: "text", text: line.text})]);
+        row.hidden = !shows(line.rank);
+        const rows = $$(".log-line", box), last = rows[rows.length - 1];
+        // In id order, whichever way a line came (live, or caught up from the API).
+        const next = last && Number(last.dataset.id) > line.id ? rows.find((n) => Number(n.dataset.id) > line.id) : null;
+        box.insertBefore(row, next || null);
+      });
+    }
+    // Lines stored between the page's render and the socket's subscription (or while the socket
+    // was away) come from the API, from the newest line on the page on.
+    async function catchUp() {
+      let after = Math.max(0, ...[...seen].map(Number));
+      for (let page = 0; page < 20 && box.dataset.logsUrl; page++) {
+        const response = await fetch(box.dataset.logsUrl + "?limit=1000&after=" + after, {credentials: "same-origin"});
+        if (!response.ok) return;
+        const data = await response.json();
+        addLines(data.lines);
+        trim();
+        if (!data.next_after) return;
+        after = data.next_after;
+      }
+    }
+    function trim() {
+      const rows = $$(".log-line, .log-skipped", box);
+      rows.slice(0, Math.max(0, rows.length - MAX_LOG_LINES)).forEach((n) => { seen.delete(n.dataset.id); n.remove(); });
+      showEmpty();
+      scrollDown();
+    }
+    live.on("subscribed", () => { catchUp(); });
     live.on("job_logs", (payloads) => {
       payloads.forEach((p) => {
         if (p.skipped) box.append(el("div", {class: "log-skipped muted", text: "… " + p.skipped + " more lines not shown live; reload the page or use the API for them"}));
-        p.lines.forEach((line) => {
-          if (seen.has(String(line.id))) return;
-          seen.add(String(line.id));
-          offerRank(line.rank);
-          const row = el("div", {class: "log-line " + line.stream, "data-id": line.id, "data-rank": line.rank,
-            title: p.node + " · rank " + line.rank + " · std" + line.stream}, [
-            el("span", {class: "rank", text: String(line.rank)}), el("span", {class: "text", text: line.text})]);
-          row.hidden = !shows(line.rank);
-          box.append(row);
-        });
+        addLines(p.lines.map((line) => Object.assign({node: p.node}, line)));
       });
       const rows = $$(".log-line, .log-skipped", box);
       rows.slice(0, Math.max(0, rows.length - MAX_LOG_LINES)).forEach((n) => { seen.delete(n.dataset.id); n.remove(); });

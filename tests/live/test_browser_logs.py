@@ -127,3 +127,28 @@ def test_a_failure_while_the_page_is_open_draws_the_failure_box(open_as, asgi_se
     assert "ValueError: the batch does not split" in box.locator("[data-f=tail]").inner_text()
     page.reload()  # the page drawn afresh says the same
     assert page.locator("#job-failure [data-f=sentence]").inner_text() == f"Rank 2 on {agent.node.name} exited with code 1"
+
+
+def test_lines_stored_before_the_socket_subscribes_are_caught_up_from_the_api(open_as, asgi_server, researcher,
+                                                                              agent):
+    import json
+
+    from django.utils import timezone
+
+    from jobs.models import JobLogLine
+
+    agent.send(0, "out", "on the page")
+    page = open_as(researcher)
+    sockets = []
+    page.route_web_socket("**/ws/live/", lambda ws: sockets.append(ws))  # held: no live messages
+    page.goto(f"{asgi_server}/jobs/{agent.job.pk}/")
+    assert visible_texts(page) == ["on the page"]
+    # Stored after the page was drawn, and never sent live (as if before the subscription).
+    in_thread(lambda: JobLogLine.objects.bulk_create(
+        JobLogLine(job=agent.job, run_id=agent.job.run_id, node=agent.node.name, rank=1, stream="out",
+                   offset=1000 + i, at=timezone.now(), text=f"missed {i}") for i in range(3)))
+    page.wait_for_function("() => true")
+    assert sockets, "the page opened no live socket"
+    sockets[0].send(json.dumps({"type": "subscribed", "stream": "job", "id": agent.job.pk}))
+    page.locator("#log-lines .log-line", has_text="missed 2").wait_for(timeout=LIVE_S)
+    assert visible_texts(page) == ["on the page", "missed 0", "missed 1", "missed 2"]
