@@ -10,7 +10,7 @@ PORT ?= 8000
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[agent,dev]'
+	$(PY) -m pip install --quiet -e '.[agent,dev,frameworks]'
 	touch $@
 
 venv: $(VENV)/.installed

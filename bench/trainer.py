@@ -31,19 +31,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from trainer_agent.balancing import plan_step  # noqa: E402
-from trainer_agent.checkpoint import AsyncCheckpointWriter, CheckpointStore  # noqa: E402
 from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime  # noqa: E402
+from trainer_agent.runtime.dcp import Checkpointer  # noqa: E402
+from trainer_agent.runtime.ddp import exact_ddp  # noqa: E402
 from trainer_agent.train import free_port  # noqa: E402
 from trainer_agent.worker import (  # noqa: E402
     StepBatch,
     WorkerConfig,
-    _CommHookState,
     build_step_batch,
     compute_step,
-    fixed_order_sum_hook,
     global_batch_specs,
     report_tokens,
 )
@@ -72,12 +70,11 @@ def bench_telemetry(model: str, steps: int, device: torch.device, work_dir: Path
         config = _worker_config(model, dp=1)
         torch.manual_seed(0)
         net = MultimodalLM(MODEL_PRESETS[model]).to(device)
-        ddp = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
         runtime = TrainerRuntime(
             sink=JsonlFileSink(work_dir / "metrics.jsonl"), control=ControlFile(work_dir / "control.json"), device=device, handle_signals=False,
         )
-        ddp.register_comm_hook(_CommHookState(runtime, 1), fixed_order_sum_hook)
+        ddp = exact_ddp(net, runtime, device_ids=[device.index] if device.type == "cuda" else None)
         batches = [build_step_batch(config, MODEL_PRESETS[model], 0, step) for step in range(1, 9)]
         # Pairs of steps on the same batch, one with and one without telemetry, the order
         # alternating pair by pair, so batch size and drift cancel out.
@@ -199,33 +196,29 @@ def bench_processes(model: str, steps: int, dp: int, work_dir: Path) -> dict[str
 
 
 def bench_checkpoint(model: str, device: torch.device, work_dir: Path, repeats: int = 3) -> dict[str, Any]:
-    """Save / load seconds for model + optimizer state, and what an async save blocks."""
+    """Save / load seconds for model + optimizer state through the library's DCP checkpointer, and
+    what an asynchronous save blocks (one process; bench.sdk measures 2 ranks)."""
     model_config = MODEL_PRESETS[model]
     torch.manual_seed(0)
     net = MultimodalLM(model_config).to(device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     batch = build_step_batch(_worker_config(model, dp=1), model_config, 0, 1)
     compute_step(net, optimizer, batch, device, None)
-    state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
-    store = CheckpointStore(work_dir / f"ckpt-{model}", keep=2)
+    directory = work_dir / f"ckpt-{model}"
+    sync, asynchronous = Checkpointer(directory, keep=2), Checkpointer(directory, keep=2, async_save=True)
     save_s, load_s, blocked_s, async_total_s = [], [], [], []
     for i in range(repeats):
         _sync(device)
-        _, seconds = store.save(state, 2 * i + 1)
-        save_s.append(seconds)
+        save_s.append(sync.save(2 * i + 1, model=net, optimizer=optimizer).blocked_s)
         started = time.perf_counter()
-        loaded = store.load_latest(map_location=str(device))
-        assert loaded is not None
-        net.load_state_dict(loaded.state["model"])
-        optimizer.load_state_dict(loaded.state["optimizer"])
+        assert sync.load(model=net, optimizer=optimizer, restore_rng=False) is not None
         _sync(device)
         load_s.append(time.perf_counter() - started)
-        writer = AsyncCheckpointWriter(store)
         started = time.perf_counter()
-        blocked_s.append(writer.submit(state, 2 * i + 2))
-        writer.wait()
+        blocked_s.append(asynchronous.save(2 * i + 2, model=net, optimizer=optimizer).blocked_s)
+        asynchronous.wait()
         async_total_s.append(time.perf_counter() - started)
-    size = (store.directory / f"step-{2 * repeats:08d}" / "state.pt").stat().st_size
+    size = sum(f.stat().st_size for f in (directory / f"step-{2 * repeats:08d}").iterdir())
     return {
         "model": model, "parameters": sum(p.numel() for p in net.parameters()), "state_bytes": size,
         "save_s": statistics.median(save_s), "load_s": statistics.median(load_s),

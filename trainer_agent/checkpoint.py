@@ -1,34 +1,34 @@
-"""Atomic, checksummed, DP-independent checkpoints with rotation and optional asynchronous writes.
+"""The checkpoint directory of a run: layout, atomic commit, verification and rotation, without torch.
 
-Layout: ``checkpoints/step-00000017/`` holding ``state.pt`` (one ``torch.save`` dict) and
-``manifest.json`` (format, step, byte size and SHA-256 of ``state.pt``). A checkpoint is written
-into ``checkpoints/.tmp-step-00000017-<pid>/``, every file fsynced, then the directory is renamed
-into place and the parent fsynced, so a reader sees either nothing or a complete checkpoint. On
-load the newest directory whose manifest and checksum verify wins; a broken one is skipped with
-a warning. With DDP the replicas are identical, so rank 0 saves one copy in the plain
-(unsharded) layout and any DP can load it. See docs/trainer.md for the contents.
+Layout: ``checkpoints/step-00000017/`` holding what ``torch.distributed.checkpoint`` wrote
+(``.metadata`` and one ``__R_0.distcp`` file per rank that had something to write) and
+``manifest.json`` (format, step, byte size and SHA-256 of every file, batch configuration).
+All ranks write into ``checkpoints/.tmp-step-00000017-<tag>/``; when every rank's part is down,
+rank 0 fsyncs each file, writes the manifest last, renames the directory into place and fsyncs
+the parent, so a reader sees either nothing or a complete checkpoint. On load the newest
+directory whose manifest and checksums verify wins; a broken one is skipped with a warning. The
+saving and loading (which needs torch) is ``trainer_agent.runtime.dcp``; this module is what the
+node agent and the launcher read, so it imports nothing heavy. See docs/trainer.md.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT_FORMAT = "omni-trainer-checkpoint/1"
-STATE_FILE = "state.pt"
+CHECKPOINT_FORMAT = "omni-dcp-checkpoint/1"
 MANIFEST_FILE = "manifest.json"
-# Test hook: pause this many seconds halfway through writing state.pt (so a kill -9 lands mid-write).
+# Test hook: rank 0 pauses this many seconds after the ranks wrote their files and before the
+# manifest (so a kill -9 lands mid-save); only for the step in TEST_PAUSE_STEP_ENV when set.
 TEST_PAUSE_ENV = "OMNI_TRAINER_TEST_SAVE_PAUSE_S"
 TEST_PAUSE_STEP_ENV = "OMNI_TRAINER_TEST_SAVE_PAUSE_STEP"
+_HASH_CHUNK = 1 << 20
 
 
 def checkpoint_name(step: int) -> str:
@@ -36,21 +36,13 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """A verified checkpoint: where it was and what it holds."""
-
-    path: Path
-    step: int
-    state: dict[str, Any]
-
-
 def warn(message: str) -> None:
-    """Print a warning line on stderr (the launcher's log is what operators read)."""
+    """Print a warning line on stderr (the rank's log is what operators read)."""
     print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -58,34 +50,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, payload: bytes, pause_s: float = 0.0) -> None:
-    with path.open("wb") as f:
-        if pause_s > 0:
-            half = len(payload) // 2
-            f.write(payload[:half])
-            f.flush()
-            print(f"TEST-HOOK: checkpoint write paused for {pause_s}s at {path}", file=sys.stderr, flush=True)
-            time.sleep(pause_s)
-            f.write(payload[half:])
-        else:
-            f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def snapshot_to_cpu(obj: Any) -> Any:
-    """Deep copy of a nested state with every tensor cloned to CPU (the only blocking part of an async save)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: snapshot_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot_to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot_to_cpu(v) for v in obj)
-    return obj
+def test_pause_s(step: int) -> float:
+    """The test hook's pause for ``step`` (0 when unset)."""
+    if os.environ.get(TEST_PAUSE_ENV) and os.environ.get(TEST_PAUSE_STEP_ENV, str(step)) == str(step):
+        return float(os.environ[TEST_PAUSE_ENV])
+    return 0.0
 
 
 class CheckpointStore:
@@ -94,6 +71,14 @@ class CheckpointStore:
     def __init__(self, directory: Path, keep: int = 3) -> None:
         self.directory = Path(directory)
         self.keep = max(1, keep)
+
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` lives once committed."""
+        return self.directory / checkpoint_name(step)
+
+    def staging_path(self, step: int, tag: str) -> Path:
+        """Where the ranks write the checkpoint of ``step`` before it is committed."""
+        return self.directory / f".tmp-{checkpoint_name(step)}-{tag}"
 
     def complete_steps(self) -> list[int]:
         """Steps of checkpoint directories that have a manifest, oldest first (not yet verified)."""
@@ -109,63 +94,58 @@ class CheckpointStore:
         return sorted(steps)
 
     def remove_partial_writes(self) -> list[Path]:
-        """Delete temporary directories left by a writer that died mid-save; return what was removed."""
+        """Delete staging directories left by a save that died midway; return what was removed."""
         removed = []
         if self.directory.is_dir():
-            for entry in self.directory.iterdir():
+            for entry in sorted(self.directory.iterdir()):
                 if entry.name.startswith(".tmp-"):
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
         return removed
 
-    def save(self, state: dict[str, Any], step: int, manifest_extra: dict[str, Any] | None = None) -> tuple[Path, float]:
-        """Write ``state`` as the checkpoint of ``step`` atomically; return its path and seconds taken.
+    def commit(self, staging: Path, step: int, manifest_extra: dict[str, Any] | None = None) -> Path:
+        """Seal a fully written staging directory as the checkpoint of ``step`` (rank 0 only).
 
-        ``manifest_extra`` (batch configuration, seed) goes into manifest.json so tools that do
-        not import torch, like the launcher, can read it.
+        Every file is fsynced and checksummed, the manifest is written last, then the directory is
+        renamed into place and the older checkpoints beyond ``keep`` are removed.
         """
-        import torch
-
-        started = time.perf_counter()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        payload = buffer.getvalue()
-        final = self.directory / checkpoint_name(step)
-        tmp = self.directory / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        pause_s = 0.0
-        if os.environ.get(TEST_PAUSE_ENV) and os.environ.get(TEST_PAUSE_STEP_ENV, str(step)) == str(step):
-            pause_s = float(os.environ[TEST_PAUSE_ENV])
-        _write_file(tmp / STATE_FILE, payload, pause_s)
-        manifest = {
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "files": {STATE_FILE: {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}},
-            "saved_unix_s": time.time(),
-            **(manifest_extra or {}),
-        }
-        _write_file(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
+        files = {}
+        for entry in sorted(staging.iterdir()):
+            if entry.is_file() and entry.name != MANIFEST_FILE:
+                with entry.open("rb") as fh:
+                    os.fsync(fh.fileno())
+                files[entry.name] = {"bytes": entry.stat().st_size, "sha256": _digest(entry)}
+        pause_s = test_pause_s(step)
+        if pause_s > 0:
+            print(f"TEST-HOOK: checkpoint commit paused for {pause_s}s at {staging}", file=sys.stderr, flush=True)
+            time.sleep(pause_s)
+        manifest = {"format": CHECKPOINT_FORMAT, "step": step, "files": files, "saved_unix_s": time.time(),
+                    **(manifest_extra or {})}
+        tmp = staging / f".{MANIFEST_FILE}.tmp"
+        with tmp.open("w", encoding="utf-8") as fh:
+            json.dump(manifest, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, staging / MANIFEST_FILE)
+        fsync_dir(staging)
+        final = self.path(step)
         if final.exists():  # re-saving the same step (e.g. after a resume); replace it whole
             shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.directory)
+        os.rename(staging, final)
+        fsync_dir(self.directory)
         self._rotate()
-        return final, time.perf_counter() - started
+        return final
 
     def _rotate(self) -> None:
         steps = self.complete_steps()
         for step in steps[: -self.keep]:
-            shutil.rmtree(self.directory / checkpoint_name(step), ignore_errors=True)
+            shutil.rmtree(self.path(step), ignore_errors=True)
 
     def newest_manifest(self) -> dict[str, Any] | None:
         """The manifest of the newest complete checkpoint, unverified (cheap; no torch needed)."""
         for step in reversed(self.complete_steps()):
             try:
-                return json.loads((self.directory / checkpoint_name(step) / MANIFEST_FILE).read_text())
+                return json.loads((self.path(step) / MANIFEST_FILE).read_text())
             except (OSError, ValueError):
                 continue
         return None
@@ -178,66 +158,26 @@ class CheckpointStore:
             return f"unreadable manifest ({exc})"
         if manifest.get("format") != CHECKPOINT_FORMAT:
             return f"unknown format {manifest.get('format')!r}"
-        expected = manifest.get("files", {}).get(STATE_FILE, {})
-        try:
-            payload = (path / STATE_FILE).read_bytes()
-        except OSError as exc:
-            return f"unreadable {STATE_FILE} ({exc})"
-        if len(payload) != expected.get("bytes"):
-            return f"{STATE_FILE} has {len(payload)} bytes, manifest says {expected.get('bytes')}"
-        if hashlib.sha256(payload).hexdigest() != expected.get("sha256"):
-            return f"{STATE_FILE} checksum mismatch"
+        files = manifest.get("files") or {}
+        if ".metadata" not in files:
+            return "no .metadata in the manifest"
+        for name, expected in sorted(files.items()):
+            try:
+                size = (path / name).stat().st_size
+            except OSError as exc:
+                return f"missing {name} ({exc.strerror})"
+            if size != expected.get("bytes"):
+                return f"{name} has {size} bytes, manifest says {expected.get('bytes')}"
+            if _digest(path / name) != expected.get("sha256"):
+                return f"{name} checksum mismatch"
         return None
 
-    def load_latest(self, map_location: str = "cpu") -> LoadedCheckpoint | None:
+    def newest_verified(self) -> Path | None:
         """The newest checkpoint that verifies; broken newer ones are reported and skipped."""
-        import torch
-
         for step in reversed(self.complete_steps()):
-            path = self.directory / checkpoint_name(step)
+            path = self.path(step)
             problem = self.verify(path)
             if problem is None:
-                try:
-                    state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=False)
-                except Exception as exc:  # a checksum-valid file that still fails to load is broken too
-                    problem = f"failed to load ({exc})"
-                else:
-                    return LoadedCheckpoint(path=path, step=step, state=state)
+                return path
             warn(f"checkpoint {path.name} is corrupt or incomplete: {problem}; falling back to the previous one")
         return None
-
-
-class AsyncCheckpointWriter:
-    """Writes checkpoints on a background thread; the caller blocks only for the copy to CPU."""
-
-    def __init__(self, store: CheckpointStore) -> None:
-        self.store = store
-        self._thread: threading.Thread | None = None
-        self.last_error: BaseException | None = None
-        self.last_save_s: float | None = None
-        self.last_path: Path | None = None
-
-    def submit(self, state: dict[str, Any], step: int, manifest_extra: dict[str, Any] | None = None) -> float:
-        """Snapshot ``state`` to CPU and start writing it; return the seconds the caller was blocked."""
-        started = time.perf_counter()
-        self.wait()
-        snapshot = snapshot_to_cpu(state)
-        blocked_s = time.perf_counter() - started
-        self._thread = threading.Thread(target=self._write, args=(snapshot, step, manifest_extra), name=f"ckpt-{step}", daemon=True)
-        self._thread.start()
-        return blocked_s
-
-    def _write(self, snapshot: dict[str, Any], step: int, manifest_extra: dict[str, Any] | None) -> None:
-        try:
-            self.last_path, self.last_save_s = self.store.save(snapshot, step, manifest_extra)
-        except BaseException as exc:  # reported by wait(); the previous checkpoint is still intact
-            self.last_error = exc
-
-    def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self.last_error is not None:
-            error, self.last_error = self.last_error, None
-            raise RuntimeError("asynchronous checkpoint write failed") from error

@@ -26,24 +26,23 @@ import ctypes  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import queue  # noqa: E402
-import random  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, NoReturn  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from trainer_agent.balancing import StepPlan, plan_step  # noqa: E402
-from trainer_agent.checkpoint import AsyncCheckpointWriter, CheckpointStore, checkpoint_name  # noqa: E402
+from trainer_agent.checkpoint import checkpoint_name  # noqa: E402
 from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime  # noqa: E402
+from trainer_agent.runtime.dcp import Checkpointer  # noqa: E402
+from trainer_agent.runtime.ddp import exact_ddp  # noqa: E402
+from trainer_agent.runtime.job import trim_records, write_exit  # noqa: E402
 from trainer_agent.schedule import LRSchedule  # noqa: E402
 from trainer_agent.workload import (  # noqa: E402
     MODEL_PRESETS,
@@ -58,7 +57,6 @@ from trainer_agent.workload import (  # noqa: E402
 
 CONFIG_ENV = "OMNI_TRAINER_CONFIG"
 SAMPLES_PER_EPOCH = 1 << 20
-EXIT_FILE = "exit.json"
 
 
 @dataclass(frozen=True)
@@ -142,59 +140,6 @@ class StepPrefetcher:
         return item
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Every RNG this process has: Python, NumPy, torch CPU and all CUDA devices."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put back what ``capture_rng_state`` captured."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-@dataclass
-class _CommHookState:
-    runtime: TrainerRuntime
-    world_size: int
-
-
-def fixed_order_sum_hook(state: _CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: sum gradients over ranks in rank order, so the result is bitwise reproducible.
-
-    A ring all-reduce adds partial sums in an order that depends on bucket boundaries (which DDP
-    rebuilds after the first step); gathering and adding in rank order does not. Each rank's loss
-    is already divided by the global batch's token count, so the sum is the global mean gradient.
-    """
-    buffer = bucket.buffer()
-    started = time.perf_counter()
-    if state.world_size > 1:
-        parts = [torch.empty_like(buffer) for _ in range(state.world_size)]
-        dist.all_gather(parts, buffer)
-        total = parts[0]
-        for part in parts[1:]:
-            total.add_(part)
-        buffer.copy_(total)
-    state.runtime.add_overlapped_comm_s(time.perf_counter() - started)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
-# DDP inspects the hook's annotations as objects; postponed (string) annotations would be refused.
-fixed_order_sum_hook.__annotations__ = {
-    "state": _CommHookState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
-}
-
-
 def compute_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -263,28 +208,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _trim_metrics(path: Path, last_step: int) -> None:
-    """Drop step records after the checkpoint we resume from: those steps are recomputed."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line)
-        except ValueError:
-            continue  # a line torn by a kill -9
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _write_exit(run_dir: Path, outcome: dict[str, Any]) -> None:
-    tmp = run_dir / f".{EXIT_FILE}.tmp"
-    tmp.write_text(json.dumps(outcome), encoding="utf-8")
-    os.replace(tmp, run_dir / EXIT_FILE)
-
-
 def _cpu_threads(dp: int) -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -315,20 +238,6 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
         rank=rank, world_size=world_size, timeout=timedelta(seconds=300),
     )
     model_config = MODEL_PRESETS[config.model]
-    store = CheckpointStore(run_dir / "checkpoints", keep=config.keep)
-
-    # Rank 0 picks (and verifies) the checkpoint; everyone loads that one.
-    choice: list[Any] = [None]
-    if rank == 0:
-        for removed in store.remove_partial_writes():
-            print(f"removed partial checkpoint write {removed.name}", file=sys.stderr, flush=True)
-        loaded = store.load_latest()
-        choice = [str(loaded.path) if loaded else None]
-    dist.broadcast_object_list(choice, src=0)
-    state: dict[str, Any] | None = None
-    if choice[0] is not None:
-        state = loaded.state if rank == 0 else torch.load(Path(choice[0]) / "state.pt", map_location="cpu", weights_only=False)
-
     torch.manual_seed(config.seed)
     model = MultimodalLM(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.base_lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -337,35 +246,29 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
     scaler = _grad_scaler(device, use_scaler)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
     modality_stats = {"image_tokens": 0, "video_tokens": 0, "text_tokens": 0, "image_samples": 0, "video_samples": 0}
+    # The public library's checkpointer (trainer_agent.runtime.dcp): DCP, atomic, keep-last-K,
+    # corrupt newest skipped, every rank's RNG; rank 0 picks the checkpoint and every rank loads it.
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.keep, async_save=config.async_save)
+    resumed = checkpointer.load(model=model, optimizer=optimizer, scaler=scaler if use_scaler else None)
     start_step = 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule = LRSchedule.from_state_dict(state["lr_schedule"])
-        if state.get("grad_scaler") and use_scaler:
-            scaler.load_state_dict(state["grad_scaler"])
-        modality_stats = dict(state["modality_stats"])
-        start_step = int(state["step"])
-        saved_rng = state["rng"]["per_rank"]
-        # A rank that did not exist at save time (growing DP) starts from its seeded default.
-        if rank < len(saved_rng):
-            restore_rng_state(saved_rng[rank])
-        previous_dp = int(state["batch"]["dp"])
+    if resumed is not None:
+        schedule = LRSchedule.from_state_dict(resumed.extra["lr_schedule"])
+        modality_stats = dict(resumed.extra["modality_stats"])
+        start_step = resumed.step
+        previous_dp = int(resumed.batch["dp"])
         if previous_dp != world_size and config.calibration_steps > 0:
             schedule.start_calibration(start_step + 1, config.calibration_steps, config.calibration_start_fraction)
         if rank == 0:
-            _trim_metrics(run_dir / "metrics.jsonl", start_step)
+            trim_records(run_dir / "metrics.jsonl", start_step)
             print(
                 f"resumed from {checkpoint_name(start_step)}: dp {previous_dp} -> {world_size}, "
-                f"accum {state['batch']['accum']} -> {config.accum}, global batch {config.global_batch}",
+                f"accum {resumed.batch['accum']} -> {config.accum}, global batch {config.global_batch}",
                 flush=True,
             )
     elif rank == 0:
-        _trim_metrics(run_dir / "metrics.jsonl", 0)
+        trim_records(run_dir / "metrics.jsonl", 0)
         print(f"starting fresh: dp {world_size}, accum {config.accum}, global batch {config.global_batch}", flush=True)
-    del state
 
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
     runtime = TrainerRuntime(
         sink=JsonlFileSink(run_dir / "metrics.jsonl") if rank == 0 else None,
         control=ControlFile(run_dir / "control.json"),
@@ -375,41 +278,24 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
     )
     for name in _EARLY_SIGNALS:
         runtime.request_stop(name)
-    ddp.register_comm_hook(_CommHookState(runtime, world_size), fixed_order_sum_hook)
-    writer = AsyncCheckpointWriter(store) if config.async_save and rank == 0 else None
+    ddp = exact_ddp(model, runtime, device_ids=[device.index] if use_cuda else None)
+    batch_config = {"global_batch": config.global_batch, "micro_batch": config.micro_batch, "dp": world_size, "accum": config.accum}
+    run_facts = {"schedule_steps": config.schedule_steps, "base_lr": config.base_lr, "warmup_steps": config.warmup_steps}
 
     def save(step: int) -> dict[str, Any]:
-        """Checkpoint after ``step`` (collective: every rank contributes its RNG state; rank 0 writes)."""
-        rng_states: list[Any] = [None] * world_size
-        dist.all_gather_object(rng_states, capture_rng_state())
-        if rank != 0:
-            return {}
-        payload = {
-            "format": "omni-trainer-state/1",
-            "step": step,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "lr_schedule": schedule.state_dict(),
-            "grad_scaler": scaler.state_dict() if use_scaler else None,
-            "precision": config.precision,
-            "rng": {"per_rank": rng_states, "world_size": world_size},
-            "data": {
-                "seed": config.seed,
-                "next_sample_index": step * config.global_batch,
-                "epoch": (step * config.global_batch) // SAMPLES_PER_EPOCH,
-                "samples_per_epoch": SAMPLES_PER_EPOCH,
-            },
-            "batch": {"global_batch": config.global_batch, "micro_batch": config.micro_batch, "dp": world_size, "accum": config.accum},
-            "modality_stats": dict(modality_stats),
-            "model_config": model_config.as_dict(),
-            "run": {"schedule_steps": config.schedule_steps, "base_lr": config.base_lr, "warmup_steps": config.warmup_steps},
-        }
-        manifest_extra = {"batch": payload["batch"], "seed": config.seed, "model": config.model, "precision": config.precision, **payload["run"]}
-        if writer is not None:
-            blocked_s = writer.submit(payload, step, manifest_extra)
-            return {"checkpoint": checkpoint_name(step), "save_blocked_s": blocked_s}
-        path, save_s = store.save(payload, step, manifest_extra)
-        return {"checkpoint": path.name, "save_s": save_s, "save_blocked_s": save_s}
+        """Checkpoint after ``step`` (collective: every rank writes its part, rank 0 commits)."""
+        info = checkpointer.save(
+            step, model=model, optimizer=optimizer, scaler=scaler if use_scaler else None, batch=batch_config,
+            data={"seed": config.seed, "next_sample_index": step * config.global_batch,
+                  "epoch": (step * config.global_batch) // SAMPLES_PER_EPOCH, "samples_per_epoch": SAMPLES_PER_EPOCH},
+            extra={"lr_schedule": schedule.state_dict(), "modality_stats": dict(modality_stats),
+                   "precision": config.precision, "model_config": model_config.as_dict(), "run": run_facts},
+            manifest={"seed": config.seed, "model": config.model, "precision": config.precision, **run_facts},
+        )
+        saved = {"checkpoint": info.checkpoint, "save_blocked_s": info.blocked_s}
+        if info.save_s is not None:
+            saved["save_s"] = info.save_s
+        return saved
 
     stop_at = config.stop_at_step if config.stop_at_step and config.stop_at_step > start_step else None
     last_step = min(config.steps, stop_at) if stop_at else config.steps
@@ -441,7 +327,7 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
         stopping = runtime.should_checkpoint_and_stop() or step == last_step
         if stopping or step % config.checkpoint_every == 0:
             saved = save(step)
-            if rank == 0 and saved:
+            if rank == 0:
                 outcome.update(saved)
         outcome["step"] = step
         if runtime.should_checkpoint_and_stop():
@@ -453,14 +339,13 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
         if stop_at is not None and last_step == stop_at and stop_at < config.steps:
             outcome.update(outcome="preempted", reason=f"--stop-at-step {stop_at}")
 
-    if writer is not None:
-        writer.wait()
-        if writer.last_save_s is not None:
-            outcome["save_s"] = writer.last_save_s
+    last_save = checkpointer.wait()  # an asynchronous save is committed before anyone leaves
+    if config.async_save and last_save is not None and last_save.save_s is not None:
+        outcome["save_s"] = last_save.save_s
     dist.barrier()
     if rank == 0:
         runtime.acknowledge_control()
-        _write_exit(run_dir, outcome)
+        write_exit(run_dir, outcome)
     runtime.close()
     dist.destroy_process_group()
     _exit_without_teardown(0)

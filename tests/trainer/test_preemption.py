@@ -97,7 +97,7 @@ def test_sigterm_finishes_the_step_saves_and_a_second_sigterm_corrupts_nothing(r
         proc.send_signal(signal.SIGTERM)
         checkpoints = run_dir / "checkpoints"
         _wait_for(lambda: checkpoints.is_dir() and any(p.name.startswith(".tmp-") for p in checkpoints.iterdir()), 30, "the save to start")
-        proc.send_signal(signal.SIGTERM)  # lands while state.pt is half written
+        proc.send_signal(signal.SIGTERM)  # lands while the checkpoint is being committed
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -123,7 +123,7 @@ def test_kill_9_during_a_checkpoint_write_falls_back_to_the_previous_checkpoint(
     )
     try:
         _wait_for(
-            lambda: any(p.name.startswith(".tmp-step-00000008") and (p / "state.pt").exists() for p in (run_dir / "checkpoints").glob(".tmp-*")),
+            lambda: any(p.name.startswith(".tmp-step-00000008") and (p / ".metadata").exists() for p in (run_dir / "checkpoints").glob(".tmp-*")),
             90, "the step-8 write to start",
         )
         time.sleep(0.2)
@@ -142,13 +142,13 @@ def test_kill_9_during_a_checkpoint_write_falls_back_to_the_previous_checkpoint(
 
 def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(reference_run: Path, preempted_run, tmp_path: Path) -> None:
     run_dir = _copy_run(preempted_run[0], tmp_path)
-    state = run_dir / "checkpoints" / "step-00000017" / "state.pt"
+    state = run_dir / "checkpoints" / "step-00000017" / "__0_0.distcp"
     payload = bytearray(state.read_bytes())
     payload[len(payload) // 2] ^= 0xFF
     state.write_bytes(bytes(payload))
     result = run_trainer(run_dir, *REFERENCE_ARGS, "--dp", "2", "--stop-at-step", "20")
     assert result.returncode == 0, result.stderr
-    assert "WARNING: checkpoint step-00000017 is corrupt or incomplete: state.pt checksum mismatch" in result.stderr
+    assert "WARNING: checkpoint step-00000017 is corrupt or incomplete: __0_0.distcp checksum mismatch" in result.stderr
     assert "resumed from step-00000015" in result.stdout
     reference, resumed = losses(reference_run), losses(run_dir)
     assert sorted(resumed) == list(range(1, 21))

@@ -1,5 +1,5 @@
 """In-process tests of the trainer library pieces: runtime hooks, control file, signals,
-checkpoint store, schedule, balancing and the synthetic data (no worker processes)."""
+schedule, balancing and the synthetic data (no worker processes)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from trainer_agent.balancing import balanced_plan, contiguous_plan, imbalance
-from trainer_agent.checkpoint import AsyncCheckpointWriter, CheckpointStore
 from trainer_agent.runtime import ControlFile, JsonlFileSink, MemorySink, TrainerRuntime
 from trainer_agent.schedule import LRSchedule
 from trainer_agent.workload import ModelConfig, render_pixels, render_sample, sample_spec
@@ -83,41 +81,6 @@ def test_sigusr1_and_sigterm_only_set_the_stop_flag() -> None:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def test_checkpoint_store_keeps_the_last_k_and_ignores_partial_writes(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep=2)
-    for step in (1, 2, 3):
-        store.save({"step": step, "weights": torch.full((4,), float(step))}, step)
-    assert store.complete_steps() == [2, 3]
-    (tmp_path / ".tmp-step-00000004-999").mkdir()  # a writer died before the rename
-    (tmp_path / "step-00000005").mkdir()  # no manifest: never completed
-    loaded = store.load_latest()
-    assert loaded is not None and loaded.step == 3 and torch.equal(loaded.state["weights"], torch.full((4,), 3.0))
-    assert [p.name for p in store.remove_partial_writes()] == [".tmp-step-00000004-999"]
-
-
-def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    store = CheckpointStore(tmp_path, keep=3)
-    store.save({"step": 1}, 1)
-    path, _ = store.save({"step": 2, "blob": torch.zeros(1000)}, 2)
-    state = path / "state.pt"
-    state.write_bytes(state.read_bytes()[:100])
-    loaded = store.load_latest()
-    assert loaded is not None and loaded.step == 1
-    assert "checkpoint step-00000002 is corrupt or incomplete" in capsys.readouterr().err
-
-
-def test_async_save_snapshots_the_state_before_training_goes_on(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
-    writer = AsyncCheckpointWriter(store)
-    state = {"weights": torch.randn(256, 256)}
-    blocked_s = writer.submit(state, 1)
-    state["weights"].zero_()  # training goes on mutating the live tensors
-    writer.wait()
-    loaded = store.load_latest()
-    assert loaded is not None and loaded.state["weights"].abs().sum() > 0, "the snapshot was taken before the mutation"
-    assert blocked_s >= 0 and writer.last_save_s is not None  # timings: bench/trainer.py
 
 
 def test_schedule_warms_up_decays_and_calibrates_after_a_resize() -> None:
