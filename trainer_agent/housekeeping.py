@@ -1,9 +1,8 @@
 """Checkpoint storage hygiene on the node (docs/storage.md): how much room the runs dir has, and
 removing a finished job's run dir when the control plane asks (a ``clean`` command).
 
-Self-contained (no Django, nothing from the rest of the agent), so it can be tested and reused
-alone. The run dir of job ``J`` is ``RUNS/<safe name of J>``, the rule ``trainer_agent.launch``
-names its directories by (``job_dir_name`` repeats it, so this module imports nothing).
+No Django, and of the rest of the agent only ``trainer_agent.launch``: the run dir of job ``J``
+is ``RUNS/<launch.safe_name(J)>``, the one rule every run dir is named by.
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ import shutil
 import stat
 from pathlib import Path
 
+from trainer_agent import launch
 
-def job_dir_name(job: str) -> str:
-    """The directory name of a job's run dir under the runs dir (``launch.safe_name``'s rule)."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+# The name tests/trainer/test_housekeeping.py knows the rule by.
+job_dir_name = launch.safe_name
 
 
 def runs_dir_usage(runs_dir: Path) -> dict[str, int]:
@@ -34,7 +33,7 @@ def run_dir_of(runs_dir: Path, job: str) -> Path:
     """The job's run dir, refusing (``ValueError``) any name that would not be a directory
     directly inside ``runs_dir`` (``.``, ``..``, an empty name) or a run dir that is a symbolic
     link (removing it could reach outside the runs dir)."""
-    name = job_dir_name(job)
+    name = launch.safe_name(job)
     if name in ("", ".", ".."):
         raise ValueError(f"job name {job!r} does not name a directory inside the runs dir")
     root = Path(runs_dir).resolve()
