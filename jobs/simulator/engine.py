@@ -17,24 +17,8 @@ decision. Not graceful (``kill_preempt``): stop now, lose every step since the l
 save. A failed node kills every job touching it the same way; whole replicas that survive
 stay held if they form a valid layout, so the planner can continue on them.
 
-Result shape (FORMAT.md fields plus extras), JSON-able::
-
-    {scenario, policy, horizon_s, utilization, reservation_shortfall,
-     reservation_shortfall_faults_aside, preemptions, graceful_preemptions, lost_gpu_s,
-     lost_gpu_s_by_cause: {kill, fault}, useful_gpu_s, healthy_gpu_s,
-     invariant_violations: [str], planner_calls, wall_s,
-     jobs: [{name, priority, submit_s, start_s, end_s, steps_done, preemptions, jct_s,
-             lost_gpu_s,
-             segments: [{start_s, end_s, gpus, end}]}],
-             # one bar per continuous holding; end is completed|preempted|killed|fault|
-             # resized|window|cancelled|horizon ("preempted"/"killed" mark preemptions)
-     events: [audit record],           # only with record_events=True (--events)
-     timeline: [                       # one sample every horizon/288 s (at least 60 s)
-        {t, healthy_gpus,
-         allocated: {critical, regular, best_effort},   # GPUs held, by class
-         useful: {critical, regular, best_effort},      # GPUs computing steps at t
-         entitled: {critical job: GPUs its reservations guarantee at t},
-         delivered: {critical job: GPUs it holds at t, capped at the entitlement}}]}
+The result dict, and what it measures: ``jobs.simulator.results``; the planner's actions
+taken by the simulated agents: ``jobs.simulator.apply``.
 
 An audit record is ``{"t": float, **Action.to_audit()}`` (kind, job, gpus/nodes before and
 after, dp, accum, global_batch, borrowed_from, deadline_s, graceful, forced, reason{rule,
@@ -50,19 +34,16 @@ import math
 import random
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
-from jobs.planner.decisions import Action, Plan
+from jobs.planner.decisions import Plan
 from jobs.planner.entitlements import is_active
 from jobs.planner.layout import accum_steps, batch_divides, layout_problems, replicas_of
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import (
-    PRIORITIES,
     Command,
     Gpu,
     Holding,
@@ -72,14 +53,14 @@ from jobs.planner.snapshot import (
     Rhythm,
     Snapshot,
 )
+from jobs.simulator import results
+from jobs.simulator.apply import apply_action
 from jobs.simulator.scenario import JobSpec, Scenario
+from jobs.simulator.state import EPS, Op, SimJob
 
 POLICIES = ("omni", "static", "kill_preempt")
-EPS = 1e-6
 #: Between milestones a job's step count reaches the planner at most this often.
 SNAPSHOT_PROGRESS_S = 300.0
-#: Reasons for which a regular job may be stopped before its min_run_s (invariant 4).
-FORCED_RULES = frozenset({"harvest.reclaim", "entitlement", "faults", "drain", "victims", "starvation"})
 
 # Event kinds, with the order they are handled in at the same instant.
 EV_SCENARIO = 0
@@ -88,82 +69,6 @@ EV_JOB = 2
 EV_WINDOW = 3
 EV_WAKE = 4
 EV_CHECK = 5
-
-
-@dataclass(slots=True)
-class Op:
-    """A stop the agent is carrying out: what to do once the step is done and saved."""
-
-    kind: str  # release | reconfigure | dormant
-    after: list[Gpu]
-    graceful: bool
-    action_kind: str
-    cmd_id: str
-    deadline_s: float | None
-    preemption: bool
-
-
-@dataclass(slots=True)
-class SimJob:
-    """The simulator's mutable state of one job."""
-
-    spec: JobSpec
-    rng: random.Random
-    submitted: bool = False
-    activity: str = "unsubmitted"  # waiting|loading|computing|saving|stop_saving|idle|done
-    terminal: str | None = None  # completed|cancelled
-    recovering: bool = False
-    dormant: bool = False
-    gpus: list[Gpu] = field(default_factory=list)
-    incoming: list[Gpu] = field(default_factory=list)
-    borrowed: dict[Gpu, str] = field(default_factory=dict)
-    dp: int = 0
-    accum: int | None = None
-    committed: int = 0
-    last_ckpt_step: int = 0
-    last_ckpt_t: float | None = None
-    ever_started: bool = False
-    start_s: float | None = None
-    end_s: float | None = None
-    run_started: float | None = None
-    last_resize: float | None = None
-    queued_since: float = 0.0
-    preemptions: int = 0
-    epoch: int = 0
-    seg_t0: float = 0.0
-    seg_k: int = 0
-    seg_step_s: float = 0.0
-    seg_nominal_s: float = 0.0
-    activity_end: float = 0.0
-    op: Op | None = None
-    unsaved_useful: float = 0.0
-    lost_gpu_s: float = 0.0
-    ring: deque = field(default_factory=lambda: deque(maxlen=200))
-    save_hist: deque = field(default_factory=lambda: deque(maxlen=20))
-    load_hist: deque = field(default_factory=lambda: deque(maxlen=20))
-    interval_start: float | None = None
-    hold_cause: str | None = None
-    version: int = 0
-    cached: Job | None = None
-    cached_version: int = -1
-    cached_at: float = -math.inf
-    cmd_seq: int = 0
-    repace: bool = False
-    idle_until: float | None = None
-    parked: list[Gpu] = field(default_factory=list)
-    parked_until: float | None = None
-
-    @property
-    def rep(self) -> int:
-        """GPUs per replica."""
-        return self.spec.tp * self.spec.pp
-
-    def live_committed(self, t: float) -> int:
-        """Committed steps including whole steps done so far in the current segment."""
-        if self.activity != "computing" or self.seg_step_s <= 0:
-            return self.committed
-        n = min(self.seg_k, int((t - self.seg_t0) / self.seg_step_s + EPS))
-        return self.committed + max(0, n)
 
 
 class Simulation:
@@ -329,7 +234,7 @@ class Simulation:
         job.committed = value
         self._touch(job)
 
-    # --- intervals and accounting -------------------------------------------------------------
+    # --- intervals (the result's segments) ------------------------------------------------------
 
     def _open_interval(self, job: SimJob) -> None:
         if job.interval_start is None:
@@ -345,69 +250,6 @@ class Simulation:
             "end": end,
         })
         job.interval_start = None
-
-    def _entitlement(self, res: Reservation, t: float) -> tuple[int, int]:
-        job = self.jobs[res.job]
-        runnable = job.submitted and job.terminal is None
-        if not runnable or not is_active(res, t):
-            return 0, 0
-        cap = min(res.gpus, job.spec.dp_max * job.rep)
-        return cap, min(cap, len(job.gpus))
-
-    def _advance(self, t: float) -> None:
-        """Integrate metrics over [last_t, t) with the state as it is, and take samples."""
-        a, b = self.last_t, min(t, self.horizon)
-        if b > a:
-            healthy = self.total_gpus - sum(self.nodes[name].gpus for name in self.down)
-            self.healthy_gpu_s += healthy * (b - a)
-            for res in self.reservations:
-                ent, got = self._entitlement(res, a)
-                if ent <= 0:
-                    continue
-                self.entitled_gpu_s += ent * (b - a)
-                short = ent - got
-                if short <= 0:
-                    continue
-                since = self.res_entitled_since[res.name]
-                start = max(a, (since if since is not None else a) + self.config.reclaim_grace_s)
-                if b > start:
-                    self.short_gpu_s += short * (b - start)
-                    if self.res_fault_since[res.name] is not None:
-                        self.short_fault_gpu_s += short * (b - start)
-            while self.next_sample < b - EPS:
-                self._sample(self.next_sample, healthy)
-                self.next_sample += self.sample_s
-        self.last_t = max(self.last_t, b)
-
-    def _sample(self, t: float, healthy: int) -> None:
-        alloc = dict.fromkeys(PRIORITIES, 0)
-        useful = dict.fromkeys(PRIORITIES, 0)
-        for name in self.active_names:
-            job = self.jobs[name]
-            n = len(job.gpus) + len(job.incoming)
-            alloc[job.spec.priority] += n
-            if job.activity == "computing":
-                useful[job.spec.priority] += len(job.gpus)
-        entitled: dict[str, int] = {}
-        delivered: dict[str, int] = {}
-        for res in self.reservations:
-            ent, got = self._entitlement(res, t)
-            entitled[res.job] = entitled.get(res.job, 0) + ent
-            delivered[res.job] = delivered.get(res.job, 0) + got
-        self.timeline.append({"t": round(t, 3), "healthy_gpus": healthy, "allocated": alloc, "useful": useful,
-                              "entitled": entitled, "delivered": delivered})
-
-    def _update_entitlement_marks(self) -> None:
-        for res in self.reservations:
-            ent, got = self._entitlement(res, self.now)
-            if ent <= 0:
-                self.res_entitled_since[res.name] = None
-                self.res_fault_since[res.name] = None
-                continue
-            if self.res_entitled_since[res.name] is None:
-                self.res_entitled_since[res.name] = self.now
-            if got >= ent:
-                self.res_fault_since[res.name] = None
 
     # --- job mechanics ------------------------------------------------------------------------
 
@@ -849,90 +691,10 @@ class Simulation:
         else:
             result = omni_plan(snap, self.now, self.config)
         for action in result.actions:
-            self._apply(action)
+            apply_action(self, action)
         if result.wake_at_s is not None and result.wake_at_s > self.now + EPS and result.wake_at_s not in self.wakes:
             self.wakes.add(result.wake_at_s)
             self._push(result.wake_at_s, EV_WAKE, "wake")
-
-    def _apply(self, action: Action) -> None:
-        job = self.jobs.get(action.job)
-        if job is None or job.terminal is not None:
-            return
-        if action.kind == "hold":
-            cause = action.reason.inputs.get("cause")
-            if cause != job.hold_cause:
-                job.hold_cause = cause
-                self._record("hold", job.spec.name, **_audit(action))
-            return
-        job.hold_cause = None
-        self._record(action.kind, job.spec.name, **_audit(action))
-        after = list(action.gpus_after)
-        spec = job.spec
-        if action.kind in ("preempt", "reclaim", "shrink") and spec.priority == "regular":
-            ran = self.now - job.run_started if job.run_started is not None else math.inf
-            if job.run_started is not None and ran < spec.min_run_s - EPS and not (
-                action.forced and action.reason.rule in FORCED_RULES
-            ) and action.reason.rule not in ("harvest.reclaim", "drain", "faults"):
-                self._violation(f"{spec.name} ({action.kind}) stopped after {ran:.0f}s < min_run_s {spec.min_run_s:.0f}s "
-                                f"for {action.reason.rule}")
-        if job.activity in ("waiting",):
-            # Start (place / lend / recover) or a fault shrink onto survivors.
-            new = [g for g in after if g not in set(job.gpus)]
-            self._assign(job, new, new_placement=True)
-            self._unassign(job, [g for g in job.gpus if g not in set(after)])
-            idle_zones = {n: f"idle:{o.spec.name}" for o in self.jobs.values() if o.parked for n in
-                          {p.node for p in o.parked}} if any(self.jobs[n].parked for n in self.active_names) else {}
-            for g in after:
-                zone = self.pool_of_node.get(g.node) or idle_zones.get(g.node)
-                if zone is not None and zone not in {r.name for r in self.reservations if r.job == spec.name}:
-                    job.borrowed[g] = zone
-            self._set_layout(job, after)
-            if not after:
-                return
-            job.recovering = False
-            job.dormant = False
-            job.parked = []
-            job.parked_until = None
-            job.run_started = self.now
-            if job.start_s is None:
-                job.start_s = self.now
-            self._open_interval(job)
-            if not job.ever_started:
-                job.ever_started = True
-                self._start_computing(job)
-            else:
-                self._begin_load(job)
-            return
-        if job.op is not None:
-            return  # already stopping: the planner should not have asked
-        if action.kind == "lend" and not after:
-            self._request_stop(job, Op("park", [], True, "lend", f"{spec.name}-{job.cmd_seq}", action.deadline_s, False))
-            job.cmd_seq += 1
-            return
-        graceful = action.graceful
-        preemption = action.kind in ("preempt", "reclaim") and not after
-        cmd_id = f"{spec.name}-{job.cmd_seq}"
-        job.cmd_seq += 1
-        if not after:
-            op = Op("release", [], graceful, action.kind, cmd_id, action.deadline_s, preemption)
-        else:
-            new = [g for g in after if g not in set(job.gpus)]
-            if new:
-                self._assign(job, new, new_placement=True)
-                job.incoming = new
-                for g in new:
-                    zone = self.pool_of_node.get(g.node)
-                    if zone is not None and zone not in {r.name for r in self.reservations if r.job == spec.name}:
-                        job.borrowed[g] = zone
-            op = Op("reconfigure", after, graceful, action.kind, cmd_id, action.deadline_s, False)
-        if graceful:
-            self._request_stop(job, op)
-        else:
-            self._kill(job, "kill")
-            if preemption:
-                pass
-            job.op = op
-            self._execute_op(job)
 
     # --- main loop ------------------------------------------------------------------------------
 
@@ -976,7 +738,7 @@ class Simulation:
             if t > self.horizon + EPS:
                 break
             if t > self.now + EPS:
-                self._advance(t)
+                results.advance(self, t)
                 self.now = t
                 plans_at_t = 0
                 if self.progress is not None and t >= self.next_progress_day * 86400:
@@ -985,19 +747,21 @@ class Simulation:
                     self.next_progress_day = int(t // 86400) + 1
             while True:
                 self._drain_now()
-                self._update_entitlement_marks()
+                results.update_entitlement_marks(self)
                 if self.dirty and plans_at_t < 4:
                     self.dirty = False
                     plans_at_t += 1
                     self._plan()
-                    self._update_entitlement_marks()
+                    results.update_entitlement_marks(self)
                     if self.full_check:
                         self._check_all()
                     continue
                 break
-        self._advance(self.horizon)
+        results.advance(self, self.horizon)
         self.now = self.horizon
-        return self._result(time.perf_counter() - wall0)
+        wall_s = time.perf_counter() - wall0
+        self._stop_at_horizon()
+        return results.result(self, wall_s)
 
     def _drain_now(self) -> None:
         """Handle every queued event at the current instant (handlers may add more)."""
@@ -1023,8 +787,9 @@ class Simulation:
             elif kind == "drain_check":
                 self._on_check(key)
 
-    def _result(self, wall_s: float) -> dict[str, Any]:
-        jobs_out = []
+    def _stop_at_horizon(self) -> None:
+        """The replay ends: whole steps done so far count, unsaved work counts as useful (nothing
+        kills it), and every job's open holding ends at the horizon."""
         for spec in self.scenario.jobs:
             job = self.jobs[spec.name]
             if job.terminal is None and job.activity == "computing":
@@ -1035,42 +800,6 @@ class Simulation:
                 self.useful_gpu_s += job.unsaved_useful
                 job.unsaved_useful = 0.0
                 self._close_interval(job, "horizon")
-            jobs_out.append({
-                "name": spec.name,
-                "priority": spec.priority,
-                "submit_s": spec.submit_s,
-                "start_s": job.start_s,
-                "end_s": job.end_s if job.terminal == "completed" else None,
-                "steps_done": job.committed,
-                "preemptions": job.preemptions,
-                "jct_s": (job.end_s - spec.submit_s) if job.terminal == "completed" and job.end_s is not None else None,
-                "lost_gpu_s": round(job.lost_gpu_s, 3),
-                "segments": self.segments.get(spec.name, []),
-            })
-        lost = self.lost_by_cause["kill"] + self.lost_by_cause["fault"]
-        out: dict[str, Any] = {
-            "scenario": self.scenario.name,
-            "policy": self.policy,
-            "horizon_s": self.horizon,
-            "utilization": round(self.useful_gpu_s / self.healthy_gpu_s, 6) if self.healthy_gpu_s else 0.0,
-            "reservation_shortfall": round(self.short_gpu_s / self.entitled_gpu_s, 6) if self.entitled_gpu_s else 0.0,
-            "reservation_shortfall_faults_aside": round(
-                (self.short_gpu_s - self.short_fault_gpu_s) / self.entitled_gpu_s, 6) if self.entitled_gpu_s else 0.0,
-            "preemptions": self.preemptions,
-            "graceful_preemptions": self.graceful_preemptions,
-            "lost_gpu_s": round(lost, 3),
-            "lost_gpu_s_by_cause": {k: round(v, 3) for k, v in self.lost_by_cause.items()},
-            "useful_gpu_s": round(self.useful_gpu_s, 3),
-            "healthy_gpu_s": round(self.healthy_gpu_s, 3),
-            "invariant_violations": list(self.violations),
-            "planner_calls": self.planner_calls,
-            "wall_s": round(wall_s, 3),
-            "jobs": jobs_out,
-            "timeline": self.timeline,
-        }
-        if self.record_events:
-            out["events"] = self.records
-        return out
 
 
 _PROBES: dict[int, tuple[JobSpec, Job]] = {}
@@ -1086,13 +815,6 @@ def _probe_job(spec: JobSpec) -> Job:
                 total_steps=spec.total_steps, step_s=spec.step_s, comm_fraction=spec.comm_fraction)
     _PROBES[id(spec)] = (spec, probe)
     return probe
-
-
-def _audit(action: Action) -> dict[str, Any]:
-    out = action.to_audit()
-    out.pop("kind")
-    out.pop("job")
-    return out
 
 
 def _window_boundaries(res: Reservation, horizon: float) -> list[float]:
