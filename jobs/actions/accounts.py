@@ -7,6 +7,8 @@ A token is shown once, to the caller, and never written anywhere: its row keeps 
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser, Group
 from django.contrib.auth.password_validation import validate_password
@@ -51,16 +53,10 @@ def add_user(actor, *, username: str, role: str, password: str | None = None) ->
         user.set_password(password)
     user.save()
     user.groups.add(Group.objects.get(name=role))
-    record_event(
-        EventKind.USER_ADDED,
-        actor=actor_name(actor),
-        actor_user=actor,
-        reason={
-            "rule": "user_added",
-            "text": f"{actor_name(actor)} added user {username} as {role}"
-            f"{'' if password is not None else ', without a password'}.",
-            "inputs": {"user": username, "role": role, "password": "set" if password is not None else "none"},
-        },
+    _record_account_event(
+        EventKind.USER_ADDED, actor,
+        f"added user {username} as {role}{'' if password is not None else ', without a password'}.",
+        {"user": username, "role": role, "password": "set" if password is not None else "none"},
     )
     return user
 
@@ -76,15 +72,16 @@ def issue_api_token(actor, user, *, label: str = "") -> tuple[ApiToken, str]:
     if len(label) > ApiToken._meta.get_field("label").max_length:
         raise ValidationError({"label": [f"at most {ApiToken._meta.get_field('label').max_length} characters"]})
     row, token = ApiToken.issue(user, label)
-    record_event(
-        EventKind.TOKEN_ISSUED,
-        actor=actor_name(actor),
-        actor_user=actor,
-        reason={
-            "rule": "token_issued",
-            "text": f"{actor_name(actor)} issued API token {row.prefix}… to {user.get_username()}"
-            f"{f' ({label})' if label else ''}.",
-            "inputs": {"user": user.get_username(), "token": f"{row.prefix}…", "label": label},
-        },
+    _record_account_event(
+        EventKind.TOKEN_ISSUED, actor,
+        f"issued API token {row.prefix}… to {user.get_username()}{f' ({label})' if label else ''}.",
+        {"user": user.get_username(), "token": f"{row.prefix}…", "label": label},
     )
     return row, token
+
+
+def _record_account_event(kind: EventKind, actor, text: str, inputs: dict[str, Any]) -> None:
+    """The audit row of an account write, its rule named after its kind; ``text`` goes on from
+    the actor's name."""
+    record_event(kind, actor=actor_name(actor), actor_user=actor,
+                 reason={"rule": kind.value, "text": f"{actor_name(actor)} {text}", "inputs": inputs})

@@ -68,17 +68,21 @@ def job_payload(job: Job, gpus: list[tuple[str, int]], node_name: str, leader: s
     The workload's env values are not stored here: ``command_frame`` adds them when it sends."""
     dp = max(1, len(gpus) // job.replica_gpus)
     order = [leader, *[n for n in nodes_in_order(gpus) if n != leader]]
+    placement = [
+        {"node": n, "gpus": [i for m, i in gpus if m == n],
+         "address": (nodes[n].address if nodes and n in nodes else "") or "127.0.0.1"}
+        for n in order
+    ]
+    # ``nodes`` and ``gpus`` restate the placement for the agent (docs/control-loop.md): the nodes
+    # that hold GPUs (a resize's old leader may hold none) and this node's GPUs.
+    held = {entry["node"]: entry["gpus"] for entry in placement if entry["gpus"]}
     return {
         "job": job.name,
         "leader": node_name == leader,
         "leader_node": leader,
-        "nodes": sorted({n for n, _ in gpus}),
-        "gpus": [i for n, i in gpus if n == node_name],
-        "placement": [
-            {"node": n, "gpus": [i for m, i in gpus if m == n],
-             "address": (nodes[n].address if nodes and n in nodes else "") or "127.0.0.1"}
-            for n in order
-        ],
+        "nodes": sorted(held),
+        "gpus": list(held.get(node_name, [])),
+        "placement": placement,
         "dp": dp,
         "tp": job.tp,
         "pp": job.pp,
