@@ -2,7 +2,7 @@
 
 Starts the control plane in embedded mode (daphne with the in-process planner loop on a scratch
 SQLite file) and two real node agents of 2 simulated GPUs each, and runs
-``examples/ddp_plain.py`` in signal mode through them, several times:
+``examples/signal_script/train.py`` in signal mode through them, several times:
 
 ``launch_1node_s``   start command written -> every rank's process running (dp=2, one node);
 ``launch_2node_s``   the same for dp=4 over both nodes (one torchrun per node, c10d rendezvous);
@@ -33,7 +33,7 @@ from typing import Any
 
 from bench.control_loop import PY, ROOT, Stack, _answers, _free_port, _wait
 
-EXAMPLE = ROOT / "examples" / "ddp_plain.py"
+EXAMPLE = ROOT / "examples" / "signal_script" / "train.py"
 
 
 def _ranks(state_dirs: list[Path]) -> list[dict[str, Any]]:
@@ -194,7 +194,7 @@ def run(runs: int) -> dict[str, Any]:
             launch_s, _ = baseline_launch(workdir, 2, 2, env, run_index)
             base["launch_2node_s"].append(launch_s)
         omni = omni_runs(workdir, runs, env)
-        result: dict[str, Any] = {"runs": runs, "script": "examples/ddp_plain.py (signal mode)",
+        result: dict[str, Any] = {"runs": runs, "script": "examples/signal_script/train.py (signal mode)",
                                   "machine_cpus": os.cpu_count()}
         for key in ("launch_1node_s", "launch_2node_s", "sigterm_release_s"):
             omni_median, base_median = statistics.median(omni[key]), statistics.median(base[key])

@@ -14,15 +14,14 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from click.testing import CliRunner
-from django.db import connection
 
+from tests.live.server import database_url, serve
 from trainer_agent import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,9 +105,9 @@ def test_modules_absolute_paths_and_executables_are_left_as_written(tmp_path):
 
 
 def test_the_example_job_file_is_valid(tmp_path):
-    spec = cli.load_spec(ROOT / "examples" / "ddp_plain.toml")
+    spec = cli.load_spec(ROOT / "examples" / "signal_script" / "job.toml")
     assert spec["integration"] == "signal"
-    assert spec["entrypoint"][0] == str(ROOT / "examples" / "ddp_plain.py")
+    assert spec["entrypoint"][0] == str(ROOT / "examples" / "signal_script" / "train.py")
 
 
 # -- credentials --------------------------------------------------------------------------------
@@ -188,27 +187,9 @@ def test_shell_completion_is_clicks_own():
 
 # -- end to end: the real CLI against a real ASGI server ----------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def asgi_server(django_db_setup, django_db_blocker):
     """``manage.py serve`` (daphne, no planner loop) on the test database."""
-    with django_db_blocker.unblock():
-        db = connection.settings_dict
-    if connection.vendor != "postgresql":
-        pytest.skip("needs PostgreSQL: the server subprocess must share the test database")
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
-    port = _free_port()
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
-        SECRET_KEY="omni-cli-tests-not-secret",
-        ALLOWED_HOSTS="127.0.0.1,localhost",
-    )
     # Without REDIS_URL the server runs Celery eagerly: a submit would run the planner pass at
     # once. With a Redis database of its own and no worker the jobs stay pending, and the tasks
     # the server enqueues reach no other test's worker (13 and 14 are the other suites').
@@ -216,34 +197,15 @@ def asgi_server(django_db_setup, django_db_blocker):
     if not redis_url:
         pytest.skip("needs Redis: the server must not run the planner eagerly")
     parts = urlsplit(redis_url)
-    env["REDIS_URL"] = urlunsplit((parts.scheme, parts.netloc, f"/{REDIS_DB}", "", ""))
+    private = urlunsplit((parts.scheme, parts.netloc, f"/{REDIS_DB}", "", ""))
     import redis
 
-    redis.Redis.from_url(env["REDIS_URL"]).flushdb()
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = open(ARTIFACTS / "cli-server.log", "w")  # noqa: SIM115 - closed when the server stops
-    server = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-loop"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail("the ASGI server did not start (see tests/artifacts/cli-server.log)")
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
-    server.terminate()
-    try:
-        server.wait(10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
-    redis.Redis.from_url(env["REDIS_URL"]).flushdb()
+    redis.Redis.from_url(private).flushdb()
+    overrides = {"DATABASE_URL": database_url(django_db_blocker), "REDIS_URL": private,
+                 "SECRET_KEY": "omni-cli-tests-not-secret"}
+    with serve(overrides, "cli-server.log") as url:
+        yield url
+    redis.Redis.from_url(private).flushdb()
 
 
 @pytest.mark.postgres
@@ -266,14 +228,14 @@ def test_the_cli_drives_a_job_through_the_api(asgi_server, researcher, operator,
         assert token not in done.stdout + done.stderr
         return done
 
-    submitted = omni("submit", str(ROOT / "examples" / "ddp_plain.toml"))
+    submitted = omni("submit", str(ROOT / "examples" / "signal_script" / "job.toml"))
     job = Job.objects.get(name="ddp-plain")
     assert job.integration == "signal" and job.owner == researcher
-    assert job.entrypoint[0] == str(ROOT / "examples" / "ddp_plain.py")
+    assert job.entrypoint[0] == str(ROOT / "examples" / "signal_script" / "train.py")
     assert f"{asgi_server}/jobs/{job.pk}/" in submitted.stdout
 
     # The server's 400: field by field, exit 2; a second job with the same name is one.
-    refused = omni("submit", str(ROOT / "examples" / "ddp_plain.toml"), code=2)
+    refused = omni("submit", str(ROOT / "examples" / "signal_script" / "job.toml"), code=2)
     assert refused.stderr.startswith("omni: error: name: ")
 
     listed = omni("jobs", "--mine")
@@ -318,8 +280,8 @@ def test_the_cli_drives_a_job_through_the_api(asgi_server, researcher, operator,
     assert len(omni("logs", "-f", "ddp-plain").stdout.splitlines()) == 6
 
     # --wait follows the job with a line per change and exits 1 when it does not run.
-    second = write(tmp_path / "second.toml", (ROOT / "examples" / "ddp_plain.toml").read_text()
-                   .replace('name = "ddp-plain"', 'name = "ddp-second"').replace('"ddp_plain.py"', f'"{ROOT}/examples/ddp_plain.py"'))
+    second = write(tmp_path / "second.toml", (ROOT / "examples" / "signal_script" / "job.toml").read_text()
+                   .replace('name = "ddp-plain"', 'name = "ddp-second"').replace('"train.py"', f'"{ROOT}/examples/signal_script/train.py"'))
     waiting = subprocess.Popen([sys.executable, "-m", "trainer_agent.cli", "submit", "--wait", str(second)],
                                env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(60, waiting.kill)  # a stuck CLI must not hang the suite

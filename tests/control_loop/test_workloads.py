@@ -22,7 +22,7 @@ from tests.control_loop.conftest import ROOT, make_node, run_output, wait_for
 pytestmark = [pytest.mark.services, pytest.mark.postgres, pytest.mark.redis, pytest.mark.torch,
               pytest.mark.slow, pytest.mark.timeout(420)]
 
-EXAMPLE = ROOT / "examples" / "ddp_plain.py"
+EXAMPLE = ROOT / "examples" / "signal_script" / "train.py"
 
 
 def rank_pids(job: str) -> list[int]:

@@ -14,9 +14,6 @@ import csv
 import io
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,11 +21,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connections, transaction
 
 from jobs import actions
 from jobs.audit import record_event
 from jobs.models import EventKind, Job, Node
+from tests.live.server import database_url, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -44,12 +42,6 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _redis_url() -> str:
     base = os.environ.get("OMNI_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     return base.rsplit("/", 1)[0] + f"/{REDIS_DB}" if base.count("/") >= 3 else f"{base}/{REDIS_DB}"
@@ -60,44 +52,14 @@ def asgi_server(django_db_setup, django_db_blocker):
     """``manage.py serve`` on the test database and a private Redis channel layer."""
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"needs Chromium at {CHROMIUM} (apt-get install chromium)")
-    with django_db_blocker.unblock():
-        db = connection.settings_dict
-    if connection.vendor != "postgresql":
-        pytest.skip("needs PostgreSQL: the server subprocess must share the test database")
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
-    port = _free_port()
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
-        REDIS_URL=_redis_url(),
-        SECRET_KEY="omni-browser-tests-not-secret",
-        DEBUG="1",  # production settings otherwise; DEBUG only makes daphne serve /static/
-        ALLOWED_HOSTS="127.0.0.1,localhost",
-        OMNI_TELEMETRY_LIVE_INTERVAL_S="0.5",
-    )
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = open(ARTIFACTS / "server.log", "w")  # noqa: SIM115 - closed when the server stops
-    server = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-loop"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail("the ASGI server did not start (see tests/artifacts/server.log)")
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
-    server.terminate()
-    try:
-        server.wait(10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
+    overrides = {
+        "DATABASE_URL": database_url(django_db_blocker), "REDIS_URL": _redis_url(),
+        "SECRET_KEY": "omni-browser-tests-not-secret",
+        "DEBUG": "1",  # production settings otherwise; DEBUG only makes daphne serve /static/
+        "OMNI_TELEMETRY_LIVE_INTERVAL_S": "0.5",
+    }
+    with serve(overrides, "server.log") as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)

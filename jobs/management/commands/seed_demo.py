@@ -54,11 +54,11 @@ STORY_JOBS = [
     ("debug-tokenizer", "bob", Priority.BEST_EFFORT, 1, 1, 1, 1, 1, 16, 2, 100_000, 1.0, 10),
 ]
 STORY_WINDOW_IN_S = 150
-# A researcher's own script with no Omni import (examples/ddp_plain.py), run by torchrun in
+# A researcher's own script with no Omni import (examples/signal_script/train.py), run by torchrun in
 # signal mode: preempted with SIGTERM, it saves its own checkpoint within grace_s.
 EXAMPLE_JOB = dict(
     name="ddp-example", priority=Priority.REGULAR, dp=2, global_batch=32, micro_batch=16, total_steps=100_000,
-    step_s=1.0, entrypoint=[str(settings.BASE_DIR / "examples" / "ddp_plain.py"), "--step-s", "1.0"],
+    step_s=1.0, entrypoint=[str(settings.BASE_DIR / "examples" / "signal_script" / "train.py"), "--step-s", "1.0"],
     integration="signal", grace_s=20.0,
 )
 

@@ -2,7 +2,7 @@
 
 Run it anywhere torchrun runs it::
 
-    torchrun --nproc-per-node 2 examples/ddp_plain.py --steps 40
+    torchrun --nproc-per-node 2 examples/signal_script/train.py --steps 40
 
 Under Omni (``"integration": "signal"``) the node agents start it with torchrun on every node the
 job holds and preempt it with SIGTERM; it then finishes the step it is in, saves a checkpoint in
@@ -88,7 +88,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
-        print(f"ddp_plain: error: global batch {args.global_batch} does not split over {world} ranks", file=sys.stderr)
+        print(f"train.py: error: global batch {args.global_batch} does not split over {world} ranks", file=sys.stderr)
         return 2
     ckpt_dir = Path(os.environ.get("OMNI_CHECKPOINT_DIR", "checkpoints"))
     torch.manual_seed(0)
