@@ -24,6 +24,9 @@ from typing import Any
 
 CHECKPOINT_FORMAT = "omni-dcp-checkpoint/1"
 MANIFEST_FILE = "manifest.json"
+# A framework that checkpoints its own way (the HF Trainer's checkpoint-N, a Lightning .ckpt)
+# names its newest checkpoint here, through ``Job.note_checkpoint`` (trainer_agent/runtime/job.py).
+LATEST_FILE = "omni-latest.json"
 # Test hook: rank 0 pauses this many seconds after the ranks wrote their files and before the
 # manifest (so a kill -9 lands mid-save); only for the step in TEST_PAUSE_STEP_ENV when set.
 TEST_PAUSE_ENV = "OMNI_TRAINER_TEST_SAVE_PAUSE_S"
@@ -58,7 +61,20 @@ def _digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def test_pause_s(step: int) -> float:
+def newest_step(directory: Path) -> int:
+    """The newest checkpoint step in a job's checkpoint directory, whoever wrote it (0 when none):
+    the library's committed DCP checkpoints, or what a framework integration noted."""
+    steps = CheckpointStore(directory).complete_steps()
+    best = steps[-1] if steps else 0
+    try:
+        noted = json.loads((Path(directory) / LATEST_FILE).read_text(encoding="utf-8"))
+        best = max(best, int(noted["step"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return best
+
+
+def save_pause_s(step: int) -> float:
     """The test hook's pause for ``step`` (0 when unset)."""
     if os.environ.get(TEST_PAUSE_ENV) and os.environ.get(TEST_PAUSE_STEP_ENV, str(step)) == str(step):
         return float(os.environ[TEST_PAUSE_ENV])
@@ -115,7 +131,7 @@ class CheckpointStore:
                 with entry.open("rb") as fh:
                     os.fsync(fh.fileno())
                 files[entry.name] = {"bytes": entry.stat().st_size, "sha256": _digest(entry)}
-        pause_s = test_pause_s(step)
+        pause_s = save_pause_s(step)
         if pause_s > 0:
             print(f"TEST-HOOK: checkpoint commit paused for {pause_s}s at {staging}", file=sys.stderr, flush=True)
             time.sleep(pause_s)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_agent import launch
-from trainer_agent.checkpoint import CheckpointStore
+from trainer_agent.checkpoint import newest_step
 
 SIM_CHECKPOINT = "sim-checkpoint.json"
 
@@ -84,9 +84,9 @@ class TorchrunJob:
         return str(self.payload["workload"].get("integration", "omni"))
 
     def newest_checkpoint(self) -> int:
-        """The newest complete checkpoint step of an ``omni`` job's run dir (0 when none)."""
-        steps = CheckpointStore(self.paths.checkpoint_dir).complete_steps()
-        return steps[-1] if steps else 0
+        """The newest checkpoint step of an ``omni`` job (0 when none): the library's committed
+        checkpoints, or the step a framework integration noted (trainer_agent/checkpoint.py)."""
+        return newest_step(self.paths.checkpoint_dir)
 
     async def launch(self, dp: int) -> None:
         paths = self.paths
@@ -405,8 +405,7 @@ def newest_checkpoint_on_disk(run_dir: Path) -> int:
         best = int(json.loads((run_dir / SIM_CHECKPOINT).read_text())["step"])
     except (OSError, ValueError, KeyError):
         pass
-    steps = CheckpointStore(run_dir / "checkpoints").complete_steps()
-    return max(best, steps[-1] if steps else 0)
+    return max(best, newest_step(run_dir / "checkpoints"))
 
 
 def has_only_simulated_history(run_dir: Path) -> bool:
