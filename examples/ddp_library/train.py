@@ -72,7 +72,7 @@ def main() -> None:
                 for i, (x, y) in enumerate(batches):
                     sync = ddp.no_sync() if hasattr(ddp, "no_sync") and i < len(batches) - 1 else nullcontext()
                     with sync:
-                        loss = (model(x.to(device)) - y.to(device)).pow(2).sum()
+                        loss = (ddp(x.to(device)) - y.to(device)).pow(2).sum()
                         (loss / job.global_batch).backward()  # exact_ddp sums: the global mean gradient
                     loss_sum += loss.item()
                 optimizer.step()

@@ -56,7 +56,7 @@ _LAZY = {
     "JobEnvironmentError": "trainer_agent.runtime.job",
     "Checkpointer": "trainer_agent.runtime.dcp", "Resumed": "trainer_agent.runtime.dcp",
     "SaveInfo": "trainer_agent.runtime.dcp", "capture_rng_state": "trainer_agent.runtime.dcp",
-    "restore_rng_state": "trainer_agent.runtime.dcp",
+    "restore_rng_state": "trainer_agent.runtime.dcp", "exact_ddp": "trainer_agent.runtime.ddp",
 }
 
 

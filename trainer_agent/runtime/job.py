@@ -209,6 +209,8 @@ class Job:
         if not self.is_leader:
             return
         trim_records(self.spec.run_dir / METRICS_FILE, step)
+        if isinstance(self.runtime.sink, JsonlFileSink):
+            self.runtime.sink.reopen()  # the trim replaced the file
         s = self.spec
         print(f"resumed from step {step}: dp {previous_dp} -> {s.dp}, accum {s.accum}, global batch {s.global_batch}",
               flush=True)

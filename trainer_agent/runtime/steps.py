@@ -42,19 +42,27 @@ class JsonlFileSink:
     def __init__(self, path: Path, fsync: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file: Any = None  # opened at the first record: a resume may rewrite the file before
         self._fsync = fsync
 
     def emit(self, record: dict[str, Any]) -> None:
         """Append ``record`` as a line."""
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._file.flush()
         if self._fsync:
             os.fsync(self._file.fileno())
 
+    def reopen(self) -> None:
+        """Write to the path's current file from now on (after it was replaced)."""
+        self.close()
+
     def close(self) -> None:
-        """Close the file."""
-        self._file.close()
+        """Close the file (the next record opens it again)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class MemorySink:
