@@ -14,9 +14,6 @@ from pathlib import Path
 
 from trainer_agent import launch
 
-# The name tests/trainer/test_housekeeping.py knows the rule by.
-job_dir_name = launch.safe_name
-
 
 def runs_dir_usage(runs_dir: Path) -> dict[str, int]:
     """``{"free_bytes", "total_bytes"}`` of the file system holding ``runs_dir`` (for an

@@ -44,9 +44,6 @@ from trainer_agent.workers import (
     newest_checkpoint_on_disk,
 )
 
-# The name tests/control_loop/test_node_agent.py reads a run dir's newest checkpoint by.
-_newest_checkpoint_on_disk = newest_checkpoint_on_disk
-
 logger = logging.getLogger("trainer_agent.node")
 
 RECORD_BUFFER = 2000

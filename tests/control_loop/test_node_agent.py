@@ -8,6 +8,7 @@ import asyncio
 import signal
 
 from trainer_agent import node as agent_node
+from trainer_agent import workers
 from trainer_agent.node import GpuInventory, NodeAgent
 
 
@@ -58,7 +59,7 @@ def test_a_preempt_finishes_the_step_saves_and_reports_the_checkpoint(tmp_path):
         done = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "p"]
         assert done and done[0]["ok"] is True
         step = done[0]["outcome"]["checkpoint_step"]
-        assert step >= 4 and step == agent_node._newest_checkpoint_on_disk(tmp_path / "be")
+        assert step >= 4 and step == workers.newest_checkpoint_on_disk(tmp_path / "be")
 
     asyncio.run(scenario())
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from trainer_agent import launch
-from trainer_agent.housekeeping import job_dir_name, remove_run_dir, runs_dir_usage
+from trainer_agent.housekeeping import remove_run_dir, runs_dir_usage
 
 
 def _run_dir(runs: Path, job: str, files: dict[str, bytes]) -> Path:
-    run = runs / job_dir_name(job)
+    run = runs / launch.safe_name(job)
     for name, data in files.items():
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_bytes(data)
@@ -31,11 +31,6 @@ def test_runs_dir_usage_reports_the_file_system_of_the_runs_dir(tmp_path: Path) 
 
 def test_a_runs_dir_not_made_yet_reports_where_it_will_be(tmp_path: Path) -> None:
     assert runs_dir_usage(tmp_path / "not" / "yet")["total_bytes"] == shutil.disk_usage(tmp_path).total
-
-
-def test_the_dir_name_follows_the_launchers_rule() -> None:
-    for job in ("ablation-a", "team/job 7", "naïve.run", "a:b"):
-        assert job_dir_name(job) == launch.safe_name(job)
 
 
 def test_remove_run_dir_removes_it_and_counts_the_bytes(tmp_path: Path) -> None:
