@@ -21,12 +21,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainer_agent.checkpoint import LATEST_FILE as LATEST_CHECKPOINT_FILE  # note_checkpoint
 from trainer_agent.runtime.steps import ControlFile, JsonlFileSink, TrainerRuntime
 
 EXIT_FILE = "exit.json"
 METRICS_FILE = "metrics.jsonl"
 CONTROL_FILE = "control.json"
-LATEST_CHECKPOINT_FILE = "omni-latest.json"  # a framework's newest checkpoint (note_checkpoint)
 
 
 class JobEnvironmentError(ValueError):
@@ -208,9 +208,7 @@ class Job:
     def _resumed(self, step: int, previous_dp: int | None) -> None:
         if not self.is_leader:
             return
-        trim_records(self.spec.run_dir / METRICS_FILE, step)
-        if isinstance(self.runtime.sink, JsonlFileSink):
-            self.runtime.sink.reopen()  # the trim replaced the file
+        self.forget_steps_after(step)
         s = self.spec
         print(f"resumed from step {step}: dp {previous_dp} -> {s.dp}, accum {s.accum}, global batch {s.global_batch}",
               flush=True)
@@ -221,7 +219,7 @@ class Job:
         Rank 0 writes ``{checkpoint_dir}/omni-latest.json`` (``{"step", "path"}``, atomically), the
         node agent's view of checkpoints it did not write itself; ``finish`` reports it as well.
         Call it once the save is complete on every rank."""
-        self._noted_checkpoint = (step, str(path))
+        self._noted_checkpoint = (step, os.path.abspath(path))
         if not self.is_leader:
             return
         directory = self.spec.checkpoint_dir
@@ -229,6 +227,14 @@ class Job:
         tmp = directory / f".{LATEST_CHECKPOINT_FILE}.tmp"
         tmp.write_text(json.dumps({"step": step, "path": str(path)}), encoding="utf-8")
         os.replace(tmp, directory / LATEST_CHECKPOINT_FILE)
+
+    def forget_steps_after(self, step: int) -> None:
+        """A resume from ``step``: drop this job's step records past it, which are recomputed (rank 0)."""
+        if not self.is_leader:
+            return
+        trim_records(self.spec.run_dir / METRICS_FILE, step)
+        if isinstance(self.runtime.sink, JsonlFileSink):
+            self.runtime.sink.reopen()  # the trim replaced the file
 
     def finish(self, step: int, checkpointer: Any = None) -> dict[str, Any]:
         """End the run at ``step``: wait for the checkpoint in flight, tell the node agent how it ended

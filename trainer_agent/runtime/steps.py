@@ -178,8 +178,12 @@ class TrainerRuntime:
         self._state: _StepState | None = None
         self.hook_s = 0.0  # time spent inside the runtime itself, for the overhead benchmark
         if handle_signals:
-            for signum in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(signum, self._on_signal)
+            self.install_signal_handlers()
+
+    def install_signal_handlers(self) -> None:
+        """Make SIGTERM and SIGUSR1 set the stop flag (again, after a framework replaced them)."""
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, self._on_signal)
 
     # -- control ---------------------------------------------------------------------------
 
@@ -310,6 +314,7 @@ class TrainerRuntime:
             rank_compute = columns["compute_s"]
             mean_compute = sum(rank_compute) / len(rank_compute)
             record.update(
+                at=time.time(),  # wall clock at the step's end: gaps between steps are idle phases
                 step_s=time.perf_counter() - state.started_at,
                 data_wait_s=max(columns["data_wait_s"]),
                 compute_s=mean_compute,
