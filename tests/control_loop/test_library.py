@@ -80,7 +80,7 @@ def test_an_elastic_library_job_grows_onto_idle_gpus_keeping_its_global_batch(co
     from jobs.models import ElasticEvent, EventKind, Job
 
     _, token = make_node("n1", 4)
-    job = submit(boss, "grower", dp=2, dp_min=1, dp_max=4, total_steps=100, checkpoint_save_s=0.5,
+    job = submit(boss, "grower", dp=2, dp_min=1, dp_max=4, total_steps=160, checkpoint_save_s=0.5,
                  checkpoint_load_s=0.5)
     # Growth waits resize_hysteresis_s (30 minutes by default) after a start: 3 s here.
     overrides = json.loads(control_cluster.env["OMNI_PLANNER_OVERRIDES"])
@@ -92,9 +92,10 @@ def test_an_elastic_library_job_grows_onto_idle_gpus_keeping_its_global_batch(co
 
     wait_for(lambda: ElasticEvent.objects.filter(kind__in=[EventKind.GROW, EventKind.LEND], job_name="grower").exists(), 150,
              "the planner to lend the idle GPUs")
+    wait_for(lambda: any(r["dp"] > 2 for r in records(run_dir)), 120, "steps at the larger DP")
     wait_for(lambda: Job.objects.get(pk=job.pk).state == "completed", 300, "the job to complete")
     steps = records(run_dir)
-    assert [r["step"] for r in steps] == list(range(1, 101))
+    assert [r["step"] for r in steps] == list(range(1, 161))
     layouts = {(r["dp"], r["accum"]) for r in steps}
     assert (2, 4) in layouts and any(dp > 2 for dp, _ in layouts), layouts
     assert all(r["global_batch"] == 32 and r["dp"] * r["accum"] * 4 == 32 for r in steps)
