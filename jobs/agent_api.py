@@ -78,6 +78,14 @@ def _ingest_step_records(node: Node, job_id: int, frame: dict[str, Any]) -> None
                                                    "samples": samples})
 
 
+def _observe_rhythm(node: Node, job_id: int, frame: dict[str, Any]) -> None:
+    """Step records -> the job's measured rhythm and its nodes' speed (jobs/actions/rhythm.py)."""
+    try:
+        actions.observe_step_records(job_id, frame["records"])
+    except Exception:  # like telemetry, the rhythm must never break the control loop
+        logger.exception("rhythm of job %s from %s failed", job_id, node.name)
+
+
 def _source(node: Node, frame: dict[str, Any], kind: str) -> str:
     boot = str(frame.get("boot") or "0")[:32]
     return f"agent-{node.name}-{boot}-{kind}"[:128]
@@ -118,6 +126,7 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
         if newest < 0:
             return [error_frame("stale_records", f"job {frame['job']!r} is not running on {node.name}", frame["job"])]
         _ingest_step_records(node, job_id, frame)
+        _observe_rhythm(node, job_id, frame)
         return []
     if kind == protocol.EXIT:
         actions.record_worker_exit(node, frame["job"], frame["outcome"])

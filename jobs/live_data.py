@@ -417,3 +417,50 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
             for job in queue
         ],
     }
+
+
+# -- measured rhythm (docs/rhythm.md) --------------------------------------------------------------
+
+IDLE_KIND_WORDS = {"pause": "pause (evaluation or other off-step work)", "checkpoint": "checkpoint",
+                   "data_stall": "data stall"}
+
+
+def _clock_words(epoch_s: float) -> str:
+    moment = timezone.localtime(datetime.fromtimestamp(epoch_s, tz=timezone.get_current_timezone()))
+    return moment.strftime("%H:%M %Z")
+
+
+def rhythm_summary(job: Job) -> dict[str, Any] | None:
+    """What was measured about ``job``'s steps, for its page and the API; ``None`` before its
+    first step record. Reads the job's ``rhythm`` row (select it with the job)."""
+    from django.conf import settings
+
+    from jobs.planner.config import PlannerConfig
+    from jobs.rhythm import bubble_share
+    from jobs.snapshot import measured_rhythm
+
+    state = measured_rhythm(job)
+    if state is None or not state.records:
+        return None
+    factor = PlannerConfig().with_overrides(getattr(settings, "OMNI_PLANNER_OVERRIDES", None) or {}).straggler_factor
+    p50, p95 = state.error_percentiles()
+    bubble = bubble_share(job.pp, job.accum_steps)
+    return {
+        "samples": len(state.step_s),
+        "dp": state.dp,
+        "mean_step_s": round(state.mean_s, 4) if state.step_s else None,
+        "stdev_step_s": round(state.stdev_s, 4) if state.step_s else None,
+        "prediction_error_p50": round(p50, 4) if p50 is not None else None,
+        "prediction_error_p95": round(p95, 4) if p95 is not None else None,
+        "save_s": state.save_s[-1] if state.save_s else None,
+        "load_s": state.load_s[-1] if state.load_s else None,
+        "idle_phases": [{"kind": p.kind, "words": IDLE_KIND_WORDS[p.kind], "every_steps": p.every_steps,
+                         "duration_s": round(p.duration_s, 2), "seen": p.seen}
+                        for p in state.phases(checkpoint_every=job.checkpoint_every_steps)],
+        "shares": {name: round(value, 3) for name, value in state.shares.items()},
+        "bubble_share": round(bubble, 3),
+        "diagnosis": state.diagnosis(bubble, clock=_clock_words),
+        "last_check": state.findings[-1] if state.findings else None,
+        "stragglers": [{"rank": rank, "node": state.rank_nodes[rank] if rank < len(state.rank_nodes) else None,
+                        "slowdown": round(ratio, 2)} for rank, ratio in sorted(state.stragglers(factor).items())],
+    }

@@ -13,12 +13,14 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.conf import settings
+from django.core.exceptions import ObjectDoesNotExist
 
 from jobs.models import Allocation, Command, Job, Node, NodeState, PlannerControl, Reservation
 from jobs.models.commands import TERMINAL_COMMAND_STATES
 from jobs.models.jobs import TERMINAL_JOB_STATES
 from jobs.planner import snapshot as ps
 from jobs.planner.config import PlannerConfig
+from jobs.rhythm import RhythmState
 from jobs.vocab import CommandKind
 
 
@@ -68,9 +70,27 @@ def low_on_disk(node: Node) -> bool:
     return node.disk_free_bytes is not None and node.disk_free_bytes < settings.OMNI_MIN_FREE_DISK_BYTES
 
 
+def measured_rhythm(job: Job) -> RhythmState | None:
+    """The job's measured rhythm (jobs/rhythm.py), or ``None`` before its first step record."""
+    try:
+        row = job.rhythm
+    except ObjectDoesNotExist:
+        return None
+    return row.load()
+
+
 def _job_row(job: Job, holdings: tuple[ps.Holding, ...]) -> ps.Job:
     save_s = job.measured_save_s if job.measured_save_s is not None else job.checkpoint_save_s
     load_s = job.measured_load_s if job.measured_load_s is not None else job.checkpoint_load_s
+    # What was measured, not what was typed at submit: the step-time ring at the current DP, the
+    # measured saves and loads, the idle phases that recur (docs/rhythm.md).
+    measured = measured_rhythm(job)
+    rhythm, idle = ps.Rhythm(), ()
+    if measured is not None:
+        rhythm = ps.Rhythm(step_s=tuple(measured.step_s) if measured.dp == job.dp else (),
+                           save_s=tuple(measured.save_s), load_s=tuple(measured.load_s))
+        idle = tuple(ps.IdlePhase(p.every_steps, p.duration_s)
+                     for p in measured.phases(checkpoint_every=job.checkpoint_every_steps))
     waiting = job.state in ps.WAITING_PHASES or job.state == "recovering"
     return ps.Job(
         name=job.name,
@@ -98,6 +118,8 @@ def _job_row(job: Job, holdings: tuple[ps.Holding, ...]) -> ps.Job:
         queued_since_s=job.state_changed_at.timestamp() if waiting else None,
         holdings=holdings,
         preemptions=job.preemptions,
+        rhythm=rhythm,
+        idle_phases=idle,
         integration=job.integration,
         grace_s=float(job.grace_s),
     )
@@ -142,7 +164,8 @@ def load_snapshot(now: datetime) -> ps.Snapshot:
     control = PlannerControl.load()
     nodes = list(Node.objects.order_by("rack", "switch", "name"))
     jobs = list(
-        Job.objects.exclude(state__in=TERMINAL_JOB_STATES).select_related("owner").order_by("submitted_at", "id")
+        Job.objects.exclude(state__in=TERMINAL_JOB_STATES).select_related("owner", "rhythm")
+        .order_by("submitted_at", "id")
     )
     holdings: dict[int, list[ps.Holding]] = {job.id: [] for job in jobs}
     allocations = (

@@ -55,6 +55,7 @@ from jobs.live_data import (
     measured_step_s,
     reservation_boundaries,
     reservation_windows,
+    rhythm_summary,
     utilisation_series,
 )
 from jobs.live_events import compact_nodes, describe_event, disk_note, event_payload
@@ -330,6 +331,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "chart": chart,
         **_job_logs_context(job),
         "workload": _workload(job),
+        "rhythm": rhythm_summary(job),
     }
     return render(request, "jobs/job_detail.html", context)
 

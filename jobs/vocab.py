@@ -66,6 +66,8 @@ class EventKind(StrEnum):
     NODE_REGISTERED = "node_registered"
     NODE_EDITED = "node_edited"
     NODE_REMOVED = "node_removed"
+    NODE_SPEED = "node_speed"
+    HEALTH_CHECK = "health_check"
     JOB_EDITED = "job_edited"
     RESERVE = "reserve"
     RESERVATION_CHANGE = "reservation_change"

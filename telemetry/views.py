@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from jobs import roles
-from jobs.models import Command, CommandState, Job, JobState, Node, PlannerRun
+from jobs.models import Command, CommandState, Job, JobRhythm, JobState, Node, PlannerRun
 from telemetry import metrics
 from telemetry.models import TelemetrySource
 
@@ -152,6 +152,19 @@ def render_metrics() -> str:
     out.family("omni_nodes", "gauge", "Nodes by state.", [({"state": s}, nodes.get(s, 0)) for s in sorted(nodes)])
     out.family("omni_websocket_clients", "gauge", "WebSocket clients connected to this process.",
                [({"kind": k}, v) for k, v in sorted(websockets.items())] or [({"kind": "live"}, 0)])
+    # Measured rhythm (docs/rhythm.md): how well the planner predicts the step times it plans on.
+    rhythms = list(JobRhythm.objects.filter(job__state__in=[JobState.RUNNING, JobState.RESIZING],
+                                            error_p95__isnull=False).values_list("job__name", "error_p50", "error_p95"))
+    out.family("omni_job_step_prediction_error", "gauge",
+               "Relative error of the predicted step time, per running job (p50 and p95 over its last 200 steps).",
+               [({"job": name, "quantile": q}, value) for name, p50, p95 in rhythms for q, value in (("0.5", p50), ("0.95", p95))])
+    p95s = sorted(p95 for _, _, p95 in rhythms)
+    out.family("omni_step_prediction_error_p95_across_jobs", "gauge",
+               "Median and worst of the running jobs' p95 step-time prediction errors.",
+               [({"stat": "median"}, _quantile(p95s, 0.5)), ({"stat": "max"}, p95s[-1] if p95s else float("nan"))])
+    slow = list(Node.objects.filter(speed_factor__gt=1.0).values_list("name", "speed_factor"))
+    out.family("omni_node_speed_factor", "gauge", "Nodes measured slow (straggler speed factor above 1).",
+               [({"node": name}, factor) for name, factor in slow])
     return out.text()
 
 

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-steps", type=int, default=3, help="steps of batches prepared ahead")
     p.add_argument("--model", choices=("tiny", "small"), default=None, help="model preset (default tiny, or the checkpoint's)")
     p.add_argument("--max-dp", type=int, default=64, help="refuse a larger --dp")
+    # Test knobs for the measured-rhythm tests and benchmarks (docs/rhythm.md).
+    p.add_argument("--slow-on-node", default=None, help="ranks on this node (OMNI_NODE) compute --slow-factor x slower")
+    p.add_argument("--slow-rank", type=int, default=None, help="this rank computes --slow-factor x slower")
+    p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower the slowed ranks compute")
+    p.add_argument("--stall-every", type=int, default=0, help="every N steps the data loader stalls for --stall-s")
+    p.add_argument("--stall-s", type=float, default=0.0, help="seconds of each data stall")
     return p
 
 
@@ -117,6 +123,8 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         "calibration_start_fraction": args.calibration_start_fraction, "schedule_steps": schedule_steps,
         "base_lr": args.lr, "warmup_steps": args.warmup_steps, "precision": precision,
         "prefetch_steps": max(1, args.prefetch_steps), "model": model,
+        "slow_on_node": args.slow_on_node, "slow_rank": args.slow_rank, "slow_factor": max(1.0, args.slow_factor),
+        "stall_every": max(0, args.stall_every), "stall_s": max(0.0, args.stall_s),
     }
 
 

@@ -28,6 +28,7 @@ import os  # noqa: E402
 import queue  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -83,6 +84,11 @@ class WorkerConfig:
     precision: str
     prefetch_steps: int
     model: str = "tiny"
+    slow_on_node: str | None = None   # test knob: this node's ranks compute slow_factor x slower
+    slow_rank: int | None = None      # test knob: ... or this rank
+    slow_factor: float = 1.0
+    stall_every: int = 0              # test knob: a data stall of stall_s every stall_every steps
+    stall_s: float = 0.0
 
     @property
     def accum(self) -> int:
@@ -303,16 +309,23 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
     prefetcher = StepPrefetcher(config, model_config, rank, start_step + 1, last_step, config.prefetch_steps) if start_step < last_step else None
     autocast = (lambda: torch.autocast(device.type, dtype=autocast_dtype)) if autocast_dtype else nullcontext
 
+    slow = config.slow_factor > 1.0 and (
+        (bool(config.slow_on_node) and os.environ.get("OMNI_NODE") == config.slow_on_node) or rank == config.slow_rank)
     for step in range(start_step + 1, last_step + 1):
         runtime.begin_step(step)
         with runtime.data_wait():
             assert prefetcher is not None
             batch = prefetcher.next()
+            if config.stall_every and step % config.stall_every == 0:
+                time.sleep(config.stall_s)
         lr = schedule.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with runtime.compute():
+            started = time.perf_counter()
             local_loss_value = compute_step(ddp, optimizer, batch, device, scaler if use_scaler else None, autocast)
+            if slow:
+                time.sleep((config.slow_factor - 1.0) * (time.perf_counter() - started))
         report_tokens(runtime, batch, rank, local_loss_value)
         for spec in batch.global_specs:
             modality_stats[f"{spec.modality}_tokens"] += spec.visual_tokens

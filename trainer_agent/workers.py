@@ -78,6 +78,7 @@ class TorchrunJob:
         self.exited_at: float | None = None
         self._offset = 0
         self._inode: int | None = None
+        self._sent_rank_nodes: list[str] = []
 
     @property
     def integration(self) -> str:
@@ -118,14 +119,8 @@ class TorchrunJob:
     def ranks(self) -> list[dict[str, Any]]:
         """The ranks of this run on this node that have registered (rank, pid, child...)."""
         out = []
-        for path in sorted(self.paths.state_dir.glob("rank-*.json")):
-            if path.name.endswith(".exit.json"):
-                continue
-            try:
-                entry = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
-            if isinstance(entry, dict) and isinstance(entry.get("pid"), int):
+        for entry in _registered(self.paths.state_dir, "rank-*.json"):
+            if isinstance(entry.get("pid"), int):
                 out.append(entry)
         return out
 
@@ -192,8 +187,25 @@ class TorchrunJob:
             except ValueError:
                 continue
             if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > self.handle.step:
+                record.setdefault("run", self.payload["run_id"])  # a new run is a resume or a resize
                 out.append(record)
+        nodes = self.rank_nodes()
+        if out and nodes != self._sent_rank_nodes:
+            out[0]["rank_nodes"] = nodes  # which node each rank runs on: the server attributes stragglers
+            self._sent_rank_nodes = nodes
         return out
+
+    def rank_nodes(self) -> list[str]:
+        """The node of every rank of this run, in rank order, from the rank wrappers' registries
+        on every node (shared storage); empty until all have registered."""
+        found: dict[int, str] = {}
+        for entry in _registered(self.paths.state_dir.parent, "*/rank-*.json"):
+            if isinstance(entry.get("rank"), int) and isinstance(entry.get("node"), str):
+                found[entry["rank"]] = entry["node"]
+        world = sum(len(entry.get("gpus") or ()) for entry in self.payload.get("placement") or ())
+        if not found or sorted(found) != list(range(world)):
+            return []
+        return [found[r] for r in range(len(found))]
 
     def exit_info(self) -> dict[str, Any]:
         """An ``omni`` run's outcome (exit.json, written by rank 0 on shared storage)."""
@@ -397,6 +409,22 @@ def _die_with_agent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _registered(directory: Path, pattern: str) -> list[dict[str, Any]]:
+    """The rank wrappers' registry entries under ``directory`` (trainer_agent/rank.py), in path
+    order; exit records and files torn or gone meanwhile are skipped."""
+    out = []
+    for path in sorted(directory.glob(pattern)):
+        if path.name.endswith(".exit.json"):
+            continue
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
 
 
 def newest_checkpoint_on_disk(run_dir: Path) -> int:

@@ -84,6 +84,7 @@ from jobs.actions.reservations import (
     create_reservation,
     update_reservation,
 )
+from jobs.actions.rhythm import observe_step_records
 from jobs.models.commands import CommandState
 from jobs.models.states import IllegalTransition
 
@@ -132,6 +133,7 @@ __all__ = [
     "record_log_lines",
     "record_run_dir_removed",
     "record_step_records",
+    "observe_step_records",
     "record_worker_exit",
     "register_node",
     "remove_node",

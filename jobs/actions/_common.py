@@ -77,6 +77,11 @@ def note_checkpoint(job: Job, outcome: dict[str, Any]) -> list[str]:
     if isinstance(load_s, (int, float)) and load_s >= 0:
         job.measured_load_s = float(load_s)
         fields.append("measured_load_s")
+    if "measured_save_s" in fields or "measured_load_s" in fields:
+        from jobs.actions.rhythm import observe_checkpoint
+
+        observe_checkpoint(job, save_s=job.measured_save_s if "measured_save_s" in fields else None,
+                           load_s=job.measured_load_s if "measured_load_s" in fields else None)
     return fields
 
 

@@ -436,6 +436,9 @@ def _launch_done(o: _Outcome) -> None:
         if isinstance(load_s, (int, float)) and load_s >= 0:
             job.measured_load_s = float(load_s)
             fields.append("measured_load_s")
+            from jobs.actions.rhythm import observe_checkpoint
+
+            observe_checkpoint(job, load_s=job.measured_load_s)
         resumed = o.reported.get("checkpoint_step")
         if isinstance(resumed, int) and job.last_checkpoint_step < resumed <= job.total_steps:
             # A checkpoint newer than the last one a heartbeat reported (saved just before a

@@ -10,6 +10,7 @@ from rest_framework import serializers
 
 from jobs import roles
 from jobs.actions import jobs as job_actions
+from jobs.live_data import rhythm_summary
 from jobs.models import Allocation, ElasticEvent, Integration, Job, Node, Priority, Reservation
 
 UNKNOWN_FIELD = "Unknown field."
@@ -79,6 +80,9 @@ class JobSerializer(serializers.ModelSerializer):
     gpus = serializers.SerializerMethodField()
     allocations = AllocationSerializer(many=True, read_only=True)
     env = serializers.SerializerMethodField(help_text=f"The extra environment's names; every value reads {MASKED_VALUE!r}.")
+    rhythm = serializers.SerializerMethodField(
+        help_text="What was measured about its steps (docs/rhythm.md): step time, prediction error, idle phases, "
+                  "where the time goes, stragglers; null before the first step record.")
 
     class Meta:
         model = Job
@@ -89,7 +93,7 @@ class JobSerializer(serializers.ModelSerializer):
             "last_checkpoint_step", "last_checkpoint_at", "measured_save_s", "measured_load_s",
             "preemptions", "pending_reason", "pending_since", "submitted_at", "started_at", "finished_at", "gpus", "allocations",
             "entrypoint", "workdir", "env", "integration", "grace_s", "max_restarts", "restarts", "keep_checkpoints",
-            "run_id", "failure",
+            "run_id", "failure", "rhythm",
         ]
         read_only_fields = fields
 
@@ -98,6 +102,9 @@ class JobSerializer(serializers.ModelSerializer):
 
     def get_env(self, job: Job) -> dict[str, str]:
         return dict.fromkeys(job_actions.env_names(job.env), MASKED_VALUE)
+
+    def get_rhythm(self, job: Job) -> dict | None:
+        return rhythm_summary(job)
 
     def to_representation(self, job: Job) -> dict:
         data = super().to_representation(job)

@@ -69,7 +69,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def get_queryset(self) -> QuerySet[Job]:
         allocations = Allocation.objects.select_related("node", "borrowed_from").order_by("node__name", "gpu_index")
         queryset = roles.visible_jobs(
-            self.request.user, Job.objects.select_related("owner").prefetch_related(Prefetch("allocations", allocations))
+            self.request.user,
+            Job.objects.select_related("owner", "rhythm").prefetch_related(Prefetch("allocations", allocations)),
         )
         if self.action != "list":
             return queryset

@@ -10,6 +10,7 @@ from jobs.models.jobs import REFERENCE_ENTRYPOINT, Integration, Job, JobState, P
 from jobs.models.logs import JobLogLine, LogStream
 from jobs.models.planner import PlannerControl, PlannerRun
 from jobs.models.reservations import Reservation
+from jobs.models.rhythm import JobRhythm
 from jobs.models.states import BatchInvariantError, IllegalTransition
 from jobs.models.tokens import ApiToken, hash_api_token
 from jobs.vocab import CommandKind, EventKind
@@ -29,6 +30,7 @@ __all__ = [
     "Integration",
     "Job",
     "JobLogLine",
+    "JobRhythm",
     "JobState",
     "LogStream",
     "Node",

@@ -1,7 +1,8 @@
 """Rule 1, rhythm prediction: what a job's steps, saves and loads will cost.
 
 In steady state a job's step time is very regular, so the planner keeps the last
-``RHYTHM_WINDOW`` (200) measured step times and plans with ``mean * safety_factor``. Save
+``RHYTHM_WINDOW`` (200) measured step times and plans with ``mean * safety_factor`` (or
+``mean + 3 stdev`` when that is more: an erratic job gets a wider margin). Save
 and load costs come from measured history when there is one and from the job's declared
 checkpoint spec otherwise. Idle phases are known from the spec and the committed step count.
 """
@@ -88,7 +89,8 @@ def _predict(job: Job, config: PlannerConfig) -> RhythmPrediction:
     return RhythmPrediction(
         mean_step_s=mu,
         stdev_step_s=sigma,
-        step_s=mu * config.safety_factor,
+        # Mean x safety, wider for an erratic job: at least three deviations above the mean.
+        step_s=max(mu * config.safety_factor, mu + 3.0 * sigma),
         save_s=save_s,
         load_s=load_s,
         samples=len(job.rhythm.step_s),

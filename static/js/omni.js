@@ -329,7 +329,37 @@
     const t = r.at !== undefined ? r.at : r.t;
     return typeof t === "number" ? t * 1000 : Date.parse(t);
   };
+  // The Rhythm card (docs/rhythm.md): what was measured, refreshed from the API so it stays true
+  // on a page left open (the records arrive every few seconds; a minute-old card would lie).
+  function rhythmCard() {
+    const card = document.getElementById("rhythm");
+    if (!card) return;
+    const field = (name) => card.querySelector(`[data-rhythm="${name}"]`);
+    const fixed = (x, n) => (x === null || x === undefined ? "" : Number(x).toFixed(n));
+    const words = {
+      step: (r) => (r.mean_step_s === null ? "" : `${fixed(r.mean_step_s, 3)} s ± ${fixed(r.stdev_step_s, 3)} over the last ${r.samples} steps at dp ${r.dp} (submitted ${card.dataset.submittedS} s)`),
+      error: (r) => (r.prediction_error_p50 === null ? "after 10 steps" : `p50 ${fixed(r.prediction_error_p50, 3)}, p95 ${fixed(r.prediction_error_p95, 3)} of a step`),
+      idle: (r) => (r.idle_phases.length ? r.idle_phases.map((p) => `${p.words} every ${p.every_steps} steps, ${fixed(p.duration_s, 1)} s`).join("; ") : "none seen"),
+      diagnosis: (r) => r.diagnosis || "",
+      check: (r) => (r.last_check ? r.last_check.text : "no resize or resume yet"),
+      stragglers: (r) => (r.stragglers.length ? r.stragglers.map((s) => `rank ${s.rank} on ${s.node || "?"} (${s.slowdown}x)`).join(", ") : "none"),
+    };
+    async function refresh() {
+      try {
+        const response = await fetch(card.dataset.apiUrl, {credentials: "same-origin", headers: {Accept: "application/json"}});
+        if (!response.ok) return;
+        const rhythm = (await response.json()).rhythm;
+        if (!rhythm) return;
+        field("empty").hidden = true;
+        field("facts").hidden = false;
+        Object.entries(words).forEach(([name, say]) => { field(name).textContent = say(rhythm); });
+      } catch (err) { /* the next tick tries again */ }
+    }
+    setInterval(refresh, 15000);
+  }
+
   function jobPage(data) {
+    rhythmCard();
     const live = new LiveSocket();
     const series = data.series;
     const markers = data.markers.slice();

@@ -18,12 +18,18 @@ from tests.planner.factory import job
 
 
 def test_prediction_is_measured_mean_times_safety_factor() -> None:
-    j = job("a", step_times=(1.0, 2.0, 3.0))
+    j = job("a", step_times=(1.9, 2.0, 2.1))
     p = predict(j, PlannerConfig(safety_factor=1.5))
     assert p.mean_step_s == pytest.approx(2.0)
     assert p.step_s == pytest.approx(3.0)
-    assert p.stdev_step_s == pytest.approx(mean_stdev((1.0, 2.0, 3.0))[1])
+    assert p.stdev_step_s == pytest.approx(mean_stdev((1.9, 2.0, 2.1))[1])
     assert p.samples == 3
+
+
+def test_an_erratic_job_is_planned_three_deviations_above_its_mean() -> None:
+    j = job("a", step_times=(1.0, 2.0, 3.0))
+    p = predict(j, PlannerConfig(safety_factor=1.5))
+    assert p.step_s == pytest.approx(2.0 + 3 * mean_stdev((1.0, 2.0, 3.0))[1]) and p.step_s > 3.0
 
 
 def test_ring_keeps_only_the_last_200_step_times() -> None:

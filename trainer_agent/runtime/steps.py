@@ -177,6 +177,7 @@ class TrainerRuntime:
         self._pending_command: ControlCommand | None = None
         self._state: _StepState | None = None
         self.hook_s = 0.0  # time spent inside the runtime itself, for the overhead benchmark
+        self.agree_s = 0.0  # ... and in the end-of-step agreement across ranks (one all-gather)
         if handle_signals:
             self.install_signal_handlers()
 
@@ -336,6 +337,7 @@ class TrainerRuntime:
                 self.sink.emit(record)
         self._state = None
         self.hook_s += time.perf_counter() - hook_started - gather_s
+        self.agree_s += gather_s
         return record
 
     def _gather(self, local: list[float]) -> list[list[float]]:

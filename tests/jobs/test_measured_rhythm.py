@@ -1,0 +1,106 @@
+"""The measured rhythm reaches the planner (jobs/actions/rhythm.py, jobs/snapshot.py): step
+records folded into the job's rhythm row through the agent frame path, the snapshot carrying the
+measured step times, saves and idle phases instead of the spec's, and stragglers setting their
+node's speed factor through an audited row, with hysteresis, cleared on recovery."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from jobs import actions
+from jobs.models import ElasticEvent, EventKind, JobRhythm, Node
+from jobs.planner.rhythm import predict
+from jobs.rhythm import STRAGGLER_WINDOW
+from jobs.snapshot import load_snapshot, planner_config
+from tests.jobs.test_rhythm_state import records
+
+pytestmark = pytest.mark.django_db
+
+PLACED = {"rule": "test", "text": "placed by the test", "inputs": {}}
+
+
+@pytest.fixture
+def running(make_job, make_nodes):
+    nodes = make_nodes(racks=1, switches=1, nodes=2, gpus=2)
+    job = make_job(name="measured", dp=2, dp_min=2, dp_max=2, step_s=10.0, checkpoint_every_steps=50)
+    return actions.place_job(job, [(nodes[0], 0), (nodes[1], 0)], actor="planner", reason=PLACED), nodes
+
+
+def snapshot_job(name: str):
+    return next(j for j in load_snapshot(timezone.now()).jobs if j.name == name)
+
+
+def test_before_any_record_the_planner_plans_on_the_spec(running):
+    job, _ = running
+    planned = snapshot_job("measured")
+    assert planned.rhythm.step_s == () and planned.idle_phases == ()
+    assert predict(planned, planner_config()).mean_step_s == pytest.approx(10.0)
+
+
+def test_the_measured_step_time_saves_and_idle_phases_reach_the_snapshot(running):
+    job, _ = running
+    pauses = {s: 40.0 for s in (30, 60, 90, 120)}
+    actions.observe_step_records(job.pk, records(1, 130, step_s=2.0, pause_after=pauses))
+    actions.observe_step_records(job.pk, records(125, 130, step_s=2.0))  # sent again: ignored
+    job.refresh_from_db()
+    from jobs.actions._common import note_checkpoint
+
+    note_checkpoint(job, {"save_s": 3.5})
+    row = JobRhythm.objects.get(job=job)
+    assert row.samples == 130 and row.mean_step_s == pytest.approx(2.0) and row.error_p95 == pytest.approx(0.0)
+    planned = snapshot_job("measured")
+    assert len(planned.rhythm.step_s) == 130 and set(planned.rhythm.step_s) == {2.0}
+    assert planned.rhythm.save_s == (3.5,)
+    assert [(p.every_steps, p.duration_s) for p in planned.idle_phases] == [(30, 40.0)]
+    prediction = predict(planned, planner_config())
+    assert prediction.mean_step_s == pytest.approx(2.0) and prediction.save_s == 3.5  # not the spec's 10 s
+
+
+def test_a_ring_measured_at_another_dp_is_not_the_current_rhythm(running):
+    job, _ = running
+    actions.observe_step_records(job.pk, records(1, 20, step_s=2.0, dp=4))
+    assert snapshot_job("measured").rhythm.step_s == ()
+
+
+def test_a_straggling_rank_slows_its_node_through_an_audited_row_and_recovery_clears_it(running):
+    job, nodes = running
+    slow = ["r0s0n0", "r0s0n1"]
+    actions.observe_step_records(job.pk, records(1, 5, ranks=[1.0, 2.0], rank_nodes=slow))
+    assert Node.objects.get(name="r0s0n1").speed_factor == 1.0  # not a whole window yet
+    actions.observe_step_records(job.pk, records(6, STRAGGLER_WINDOW + 2, start_at=2000, ranks=[1.0, 2.0]))
+    node = Node.objects.get(name="r0s0n1")
+    assert node.speed_factor == pytest.approx(2.0) and Node.objects.get(name="r0s0n0").speed_factor == 1.0
+    row = ElasticEvent.objects.get(kind=EventKind.NODE_SPEED)
+    assert row.reason["rule"] == "straggler" and row.job_name == "measured"
+    assert "r0s0n1 runs slow: rank 1 (2.00x) of measured" in row.reason["text"]
+    assert row.reason["inputs"]["speed_after"] == 2.0
+    assert snapshot_job("measured") and next(n for n in load_snapshot(timezone.now()).nodes
+                                             if n.name == "r0s0n1").speed_factor == 2.0
+
+    # A small wobble is not rewritten (hysteresis); recovery over a whole window clears it.
+    actions.observe_step_records(job.pk, records(100, 100 + STRAGGLER_WINDOW, start_at=5000, ranks=[1.0, 2.1]))
+    assert ElasticEvent.objects.filter(kind=EventKind.NODE_SPEED).count() == 1
+    actions.observe_step_records(job.pk, records(200, 200 + STRAGGLER_WINDOW, start_at=9000, ranks=[1.0, 1.02]))
+    assert Node.objects.get(name="r0s0n1").speed_factor == 1.0
+    cleared = ElasticEvent.objects.filter(kind=EventKind.NODE_SPEED).last()
+    assert cleared.reason["rule"] == "straggler_recovered" and "runs at speed again" in cleared.reason["text"]
+
+
+def test_a_resize_is_followed_by_an_audited_health_check(running):
+    from tests.jobs.test_rhythm_state import _losses
+
+    job, _ = running
+    actions.observe_step_records(job.pk, _losses(records(1, 30, accum=8, micro_batch=4, global_batch=64, run="r1"), 2.0))
+    actions.observe_step_records(job.pk, _losses(records(31, 36, start_at=5000.0, dp=4, accum=4, micro_batch=4,
+                                                         global_batch=64, run="r2"), 1.97))
+    row = ElasticEvent.objects.get(kind=EventKind.HEALTH_CHECK)
+    assert row.reason["rule"] == "post_change_health" and row.actor == "omni:rhythm"
+    assert row.reason["text"].startswith("After the resize at step 31 (dp 2 -> 4) the run is healthy")
+    from jobs.live_data import rhythm_summary
+    from jobs.models import Job
+
+    summary = rhythm_summary(Job.objects.select_related("rhythm").get(pk=job.pk))
+    assert summary["last_check"]["text"] == row.reason["text"]
+    actions.observe_step_records(job.pk, records(37, 40, start_at=6000.0, dp=4, run="r2"))
+    assert ElasticEvent.objects.filter(kind=EventKind.HEALTH_CHECK).count() == 1  # one check per change
