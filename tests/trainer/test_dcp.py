@@ -161,9 +161,11 @@ def test_sample_indices_keep_the_global_batch_and_its_order_at_any_dp() -> None:
 def test_state_saved_at_two_ranks_loads_at_two_and_at_one(tmp_path: Path, wrap: str) -> None:
     def torchrun(world: int, mode: str) -> dict:
         out = tmp_path / f"{mode}-{world}.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                        str(SCRIPT), wrap, mode, str(tmp_path / "ckpt"), str(out)],
-                       check=True, capture_output=True, timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={world}", str(SCRIPT), wrap, mode, str(tmp_path / "ckpt"), str(out)],
+                              capture_output=True, text=True, timeout=240,
+                              env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, (mode, world, done.stdout[-3000:], done.stderr[-6000:])
         return json.loads(out.read_text())
 
     saved = torchrun(2, "save")

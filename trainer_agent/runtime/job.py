@@ -11,6 +11,7 @@ defaults given to ``init`` (docs/researchers.md).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -286,6 +287,19 @@ def write_exit(run_dir: Path, outcome: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / EXIT_FILE)
 
 
+def _leave_process_group() -> None:
+    """At exit, destroy the process group whoever made it (this library, the HF Trainer,
+    Lightning): left to the interpreter's teardown, gloo's threads may abort the process
+    ("terminate called without an active exception", exit code 134) after the work is done."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # leaving anyway; nothing is owed any more
+        pass
+
+
 def _join_process_group(spec: JobSpec, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
@@ -317,6 +331,7 @@ def init(*, global_batch: int | None = None, micro_batch: int | None = None, tot
         raise SystemExit(2) from None
     if process_group:
         _join_process_group(spec, timeout_s)
+    atexit.register(_leave_process_group)
     device = spec.torch_device() if process_group and spec.world_size > 1 else "cpu"
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     runtime = TrainerRuntime(
