@@ -430,6 +430,10 @@ def _clock_words(epoch_s: float) -> str:
     return moment.strftime("%H:%M %Z")
 
 
+def _rounded(value: float | None) -> float | None:
+    return round(value, 4) if value is not None else None
+
+
 def rhythm_summary(job: Job) -> dict[str, Any] | None:
     """What was measured about ``job``'s steps, for its page and the API; ``None`` before its
     first step record. Reads the job's ``rhythm`` row (select it with the job)."""
@@ -453,6 +457,8 @@ def rhythm_summary(job: Job) -> dict[str, Any] | None:
         "prediction_error_p50": round(p50, 4) if p50 is not None else None,
         "prediction_error_p95": round(p95, 4) if p95 is not None else None,
         "save_s": state.save_s[-1] if state.save_s else None,
+        "save_prediction_error_p50": _rounded(state.error_percentiles(state.save_errors, at_least=3)[0]),
+        "save_prediction_error_p95": _rounded(state.error_percentiles(state.save_errors, at_least=3)[1]),
         "load_s": state.load_s[-1] if state.load_s else None,
         "idle_phases": [{"kind": p.kind, "words": IDLE_KIND_WORDS[p.kind], "every_steps": p.every_steps,
                          "duration_s": round(p.duration_s, 2), "seen": p.seen}

@@ -89,6 +89,7 @@ class RhythmState:
     run: str | None = None                                      # the run (launch) the last record came from
     findings: list[dict[str, Any]] = field(default_factory=list)   # the last HISTORY
     checks: int = 0                                             # findings ever made
+    save_errors: list[float] = field(default_factory=list)      # of the planner's save prediction (worst of the last 20)
     drop: dict[str, Any] | None = None
 
     # -- serialisation -----------------------------------------------------------------------
@@ -107,11 +108,13 @@ class RhythmState:
 
     # -- derived figures ---------------------------------------------------------------------
 
-    def error_percentiles(self) -> tuple[float | None, float | None]:
-        """p50 and p95 of the step-time prediction error (relative), once there are 10."""
-        if len(self.errors) < 10:
+    def error_percentiles(self, errors: list[float] | None = None, at_least: int = 10) -> tuple[float | None, float | None]:
+        """p50 and p95 of the step-time prediction error (relative; or of ``errors``), once there
+        are ``at_least``."""
+        errors = self.errors if errors is None else errors
+        if len(errors) < at_least:
             return None, None
-        ordered = sorted(self.errors)
+        ordered = sorted(errors)
         return _percentile(ordered, 0.50), _percentile(ordered, 0.95)
 
     def phases(self, checkpoint_every: int | None = None) -> list[Phase]:
@@ -274,6 +277,8 @@ class RhythmState:
     def observe_checkpoint(self, save_s: float | None = None, load_s: float | None = None) -> None:
         """A measured save or load (from a command's outcome)."""
         if save_s is not None and save_s >= 0:
+            if self.save_s and save_s > 0:
+                self.save_errors = (self.save_errors + [abs(save_s - max(self.save_s)) / save_s])[-ERRORS:]
             self.save_s = (self.save_s + [float(save_s)])[-HISTORY:]
         if load_s is not None and load_s >= 0:
             self.load_s = (self.load_s + [float(load_s)])[-HISTORY:]

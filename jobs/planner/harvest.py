@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
 from jobs.planner.entitlements import entitled_gpus, is_active, next_boundary_s, next_start_s
-from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time, stop_time_s
+from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time, stop_time_s, widened_words
 from jobs.planner.snapshot import WAITING_PHASES, Gpu, Job, Reservation
 from jobs.planner.victims import (
     VictimOption,
@@ -241,6 +241,10 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         )
     else:
         deadline = max(need_s, state.now + lead_s)
+        prediction = predict(job, state.config)
+        widened = widened_words(prediction, state.config)
+        if widened:
+            inputs.update(margin_widened=True, step_stdev_s=round(prediction.stdev_step_s, 4))
         if need_s <= state.now + 1e-9:
             text = (
                 f"{upper_first(pool_label(res.name))} needs these GPUs now (its job became entitled or lost "
@@ -253,6 +257,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
                 f"{lead_s:.0f}s ahead (predicted save {inputs['predicted_save_s']:.0f}s x safety "
                 f"{state.config.safety_factor} + step + margin), so the job saves before then."
             )
+        text += widened
     state._emit(
         "reclaim",
         job,

@@ -97,6 +97,16 @@ def _predict(job: Job, config: PlannerConfig) -> RhythmPrediction:
     )
 
 
+def widened_words(prediction: RhythmPrediction, config: PlannerConfig) -> str:
+    """A sentence when the planning step was widened for an erratic job (else empty): what an
+    audit row adds so that a wider margin is never silent."""
+    if prediction.samples and prediction.step_s > prediction.mean_step_s * config.safety_factor + 1e-9:
+        return (f" Its step times vary (mean {prediction.mean_step_s:.2g}s ± {prediction.stdev_step_s:.2g}s over "
+                f"{prediction.samples} steps), so its margin is widened: steps planned at "
+                f"{prediction.step_s:.2g}s, three deviations above the mean.")
+    return ""
+
+
 def next_idle_phase(job: Job) -> tuple[int, float] | None:
     """The next idle phase as (step it starts after, duration_s), or None.
 

@@ -338,7 +338,8 @@
     const fixed = (x, n) => (x === null || x === undefined ? "" : Number(x).toFixed(n));
     const words = {
       step: (r) => (r.mean_step_s === null ? "" : `${fixed(r.mean_step_s, 3)} s ± ${fixed(r.stdev_step_s, 3)} over the last ${r.samples} steps at dp ${r.dp} (submitted ${card.dataset.submittedS} s)`),
-      error: (r) => (r.prediction_error_p50 === null ? "after 10 steps" : `p50 ${fixed(r.prediction_error_p50, 3)}, p95 ${fixed(r.prediction_error_p95, 3)} of a step`),
+      error: (r) => (r.prediction_error_p50 === null ? "after 10 steps" : `p50 ${fixed(r.prediction_error_p50, 3)}, p95 ${fixed(r.prediction_error_p95, 3)} of a step`)
+        + (r.save_prediction_error_p50 === null ? "" : `; saves p50 ${fixed(r.save_prediction_error_p50, 3)}, p95 ${fixed(r.save_prediction_error_p95, 3)}`),
       idle: (r) => (r.idle_phases.length ? r.idle_phases.map((p) => `${p.words} every ${p.every_steps} steps, ${fixed(p.duration_s, 1)} s`).join("; ") : "none seen"),
       diagnosis: (r) => r.diagnosis || "",
       check: (r) => (r.last_check ? r.last_check.text : "no resize or resume yet"),

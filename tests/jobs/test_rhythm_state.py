@@ -171,3 +171,12 @@ def test_a_loss_spike_or_a_changed_batch_after_a_resume_is_reported():
     state.observe(broken, dp=2)
     assert "the global batch changed 32 -> 48" in state.findings[-1]["text"]
     assert "is not the global batch 48" in state.findings[-1]["text"]
+
+
+def test_save_predictions_are_scored_against_the_measured_saves():
+    state = RhythmState()
+    for seconds in (2.0, 2.0, 2.2, 4.0):
+        state.observe_checkpoint(save_s=seconds)
+    # Each save against the worst of those before it: 2 vs 2, 2.2 vs 2, 4 vs 2.2.
+    assert state.save_errors == pytest.approx([0.0, 0.2 / 2.2, 1.8 / 4.0])
+    assert state.error_percentiles(state.save_errors, at_least=3)[0] == pytest.approx(0.2 / 2.2)

@@ -51,6 +51,20 @@ def test_reclaim_starts_one_lead_time_before_the_entitlement() -> None:
     assert reclaim.reason.inputs["lead_time_s"] == pytest.approx(lead, abs=1e-3)
 
 
+def test_an_erratic_borrower_is_reclaimed_earlier_and_the_row_says_why() -> None:
+    steady = job("sft", dp=2, gpus=gpus_on("r0s1n0", "r0s1n1"), borrowed_from="vlm-window", save_s=20.0,
+                 step_times=(10.0,) * 50)
+    erratic = job("sft", dp=2, gpus=gpus_on("r0s1n0", "r0s1n1"), borrowed_from="vlm-window", save_s=20.0,
+                  step_times=(2.0, 18.0) * 25)
+    config = PlannerConfig()
+    assert reclaim_lead_time(erratic, config) > reclaim_lead_time(steady, config)
+    for borrower, widened in ((steady, False), (erratic, True)):
+        snap = snapshot(cluster(), [job("busy", gpus=GENERAL, dp=4), borrower], (RES,))
+        (reclaim,) = plan(snap, 7200.0 - reclaim_lead_time(borrower, config)).by_kind("reclaim")
+        assert ("so its margin is widened" in reclaim.reason.text) is widened
+        assert reclaim.reason.inputs.get("margin_widened", False) is widened
+
+
 def test_hot_spares_are_lent_while_the_owner_runs() -> None:
     pool = (*POOL, "r0s0n3")
     res = Reservation("r", "crit", gpus=32, spares=8, nodes=pool)

@@ -71,3 +71,14 @@ def test_reclaim_lead_time_is_step_plus_save_times_safety_plus_margin() -> None:
     j = job("a", save_s=20.0, step_times=(2.0, 2.0))
     config = PlannerConfig(safety_factor=1.5, reclaim_margin_s=30.0)
     assert reclaim_lead_time(j, config) == pytest.approx(2.0 * 1.5 + 20.0 * 1.5 + 30.0)
+
+
+def test_a_widened_margin_is_said_in_words() -> None:
+    from jobs.planner.rhythm import widened_words
+
+    config = PlannerConfig(safety_factor=1.5)
+    steady = predict(job("a", step_times=(1.9, 2.0, 2.1)), config)
+    erratic = predict(job("b", step_times=(1.0, 2.0, 3.0)), config)
+    assert widened_words(steady, config) == ""
+    words = widened_words(erratic, config)
+    assert words.startswith(" Its step times vary (mean 2s ± 0.82s over 3 steps), so its margin is widened")
