@@ -303,7 +303,13 @@ class RhythmState:
         parts = {name: _finite(record.get(f"{name}_s")) for name in SHARES}
         if any(v is None for v in parts.values()):
             return
-        parts = {name: min(max(0.0, v), step_s) for name, v in parts.items()} | {"step": step_s}
+        parts = {name: max(0.0, v) for name, v in parts.items()}
+        # The parts come from different ranks (the slowest's wait and communication, the mean
+        # compute) and may add up to more than the step: scale them to it, so shares sum to 1 at most.
+        total = sum(parts.values())
+        if total > step_s > 0:
+            parts = {name: v * step_s / total for name, v in parts.items()}
+        parts["step"] = step_s
         fast = 2.0 / (min(self.records + 1, SHORT_STEPS) + 1)
         slow = 2.0 / (min(self.records + 1, LONG_STEPS) + 1)
         for seconds, alpha in ((self.recent_s, fast), (self.usual_s, slow)):

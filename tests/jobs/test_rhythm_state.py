@@ -180,3 +180,13 @@ def test_save_predictions_are_scored_against_the_measured_saves():
     # Each save against the worst of those before it: 2 vs 2, 2.2 vs 2, 4 vs 2.2.
     assert state.save_errors == pytest.approx([0.0, 0.2 / 2.2, 1.8 / 4.0])
     assert state.error_percentiles(state.save_errors, at_least=3)[0] == pytest.approx(0.2 / 2.2)
+
+
+def test_shares_never_add_up_to_more_than_the_step():
+    state = RhythmState()
+    rows = records(1, 30)
+    for r in rows:  # the slowest rank's communication plus the mean compute: more than the step
+        r["data_wait_s"], r["compute_s"], r["comm_s"] = 0.05, 0.6, 0.65
+    state.observe(rows, dp=2)
+    assert sum(state.shares.values()) == pytest.approx(1.0)
+    assert state.shares["comm"] == pytest.approx(0.65 / 1.3)
