@@ -437,16 +437,13 @@ def _rounded(value: float | None) -> float | None:
 def rhythm_summary(job: Job) -> dict[str, Any] | None:
     """What was measured about ``job``'s steps, for its page and the API; ``None`` before its
     first step record. Reads the job's ``rhythm`` row (select it with the job)."""
-    from django.conf import settings
-
-    from jobs.planner.config import PlannerConfig
     from jobs.rhythm import bubble_share
-    from jobs.snapshot import measured_rhythm
+    from jobs.snapshot import measured_rhythm, straggler_factor
 
     state = measured_rhythm(job)
     if state is None or not state.records:
         return None
-    factor = PlannerConfig().with_overrides(getattr(settings, "OMNI_PLANNER_OVERRIDES", None) or {}).straggler_factor
+    factor = straggler_factor()
     p50, p95 = state.error_percentiles()
     bubble = bubble_share(job.pp, job.accum_steps)
     return {

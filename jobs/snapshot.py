@@ -45,6 +45,13 @@ def planner_config(control: PlannerControl | None = None) -> PlannerConfig:
     return config.with_overrides(overrides) if overrides else config
 
 
+def straggler_factor() -> float:
+    """The planner's straggler factor. It is not an operator control, so no ``PlannerControl``
+    read: the step-record path asks for it on every frame."""
+    overrides = getattr(settings, "OMNI_PLANNER_OVERRIDES", None) or {}
+    return PlannerConfig().with_overrides(overrides).straggler_factor
+
+
 def _node_row(node: Node) -> ps.Node:
     # A node whose agent has never registered cannot run anything yet: the planner sees it as
     # cordoned (what runs there stays, nothing new lands) until its first heartbeat.

@@ -20,15 +20,10 @@ from jobs.actions._common import trigger_plan
 from jobs.audit import record_event
 from jobs.models import Job, JobRhythm, Node
 from jobs.rhythm import STRAGGLER_WINDOW, RhythmState
+from jobs.snapshot import straggler_factor
 from jobs.vocab import EventKind
 
 SPEED_CHANGE = 0.1  # relative change of a node's speed factor worth writing
-
-
-def _straggler_factor() -> float:
-    from jobs.snapshot import planner_config
-
-    return planner_config().straggler_factor
 
 
 @transaction.atomic
@@ -72,7 +67,7 @@ def observe_checkpoint(job: Job, *, save_s: float | None = None, load_s: float |
 
 
 def _judge_nodes(job: Job, state: RhythmState) -> None:
-    factor = _straggler_factor()
+    factor = straggler_factor()
     if not state.rank_nodes:
         return
     slow = state.stragglers(factor)
