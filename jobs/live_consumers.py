@@ -79,7 +79,8 @@ def _job_ids(event: str, payload: dict[str, Any]) -> set[int]:
     if event == "node":
         return {g["job_id"] for g in payload.get("gpus", ()) if isinstance(g.get("job_id"), int)}
     if event == "cluster_summary":
-        return {item["id"] for item in payload.get("queue", ()) if isinstance(item.get("id"), int)}
+        return {item["id"] for key in ("queue", "losing") for item in payload.get(key, ())
+                if isinstance(item.get("id"), int)}
     if event in TELEMETRY_EVENTS:
         return {payload["job"]} if isinstance(payload.get("job"), int) else set()
     return set()
@@ -108,7 +109,10 @@ def payload_for_viewer(event: str, payload: Any, visibility: Callable[[int], rol
                 item = {**{key: value for key, value in item.items() if key != "why"}, "visibility": "summary"}
             if seen > roles.Visibility.NONE:
                 queue.append(item)
-        return {**payload, "queue": queue}
+        # The jobs losing most GPU time: another user's job (seen in summary) unlinked; the rest not at all.
+        losing = [item if visibility(item["id"]) is roles.Visibility.FULL else {**item, "visibility": "summary"}
+                  for item in payload.get("losing", ()) if visibility(item["id"]) > roles.Visibility.NONE]
+        return {**payload, "queue": queue, "losing": losing}
     if event == "node":
         gpus = []
         for gpu in payload.get("gpus", ()):

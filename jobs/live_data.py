@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError
-from django.db.models import Avg, Case, Count, Max, Q, Sum, Value, When
+from django.db.models import Avg, Case, Count, ExpressionWrapper, F, FloatField, Max, Q, Sum, Value, When
 from django.utils import timezone
 
 from jobs.live_events import describe_event
@@ -25,6 +25,7 @@ from jobs.models import (
     ElasticEvent,
     EventKind,
     Job,
+    JobRhythm,
     JobState,
     Node,
     NodeState,
@@ -382,7 +383,8 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
     rendered on load and sent live as ``cluster_summary`` (jobs.live_events, which adds a
     utilisation point). Counts are the cluster's, for everyone; the queue names every waiting
     job with why it waits, and is cut per viewer (``jobs.live_consumers.payload_for_viewer``).
-    Six queries (five with no job waiting, one less given the planner's ``control``).
+    Seven queries (six with no job waiting, one less given the planner's ``control``), one of them
+    the jobs losing most GPU time (``losing_jobs``).
     """
     now = now or timezone.now()
     nodes = {row["state"]: row for row in Node.objects.order_by().values("state").annotate(n=Count("id"), gpus=Sum("gpu_count"))}
@@ -416,7 +418,26 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
              "why": pending_reason(job, holds.get(job.pk))}
             for job in queue
         ],
+        "losing": losing_jobs(),
     }
+
+
+LOSING_LIMIT = 5
+
+
+def losing_jobs(limit: int = LOSING_LIMIT) -> list[dict[str, Any]]:
+    """The running jobs whose GPUs compute least, by GPUs x the share of wall time lost (recent
+    steps, docs/rhythm.md), and to what: the operator console's list. One query."""
+    rows = (JobRhythm.objects.filter(job__state__in=(JobState.RUNNING, JobState.RESIZING), lost_share__gt=0.005)
+            .annotate(gpus=Count("job__allocations"))
+            .annotate(lost_gpus=ExpressionWrapper(F("gpus") * F("lost_share"), output_field=FloatField()))
+            .filter(gpus__gt=0).order_by("-lost_gpus")
+            .values("job_id", "job__name", "job__owner__username", "job__priority", "gpus", "lost_share", "lost_to",
+                    "lost_gpus")[:limit])
+    return [{"id": r["job_id"], "name": r["job__name"], "owner": r["job__owner__username"] or "",
+             "priority": r["job__priority"], "priority_label": Priority(r["job__priority"]).label, "gpus": r["gpus"], "lost_gpus": round(r["lost_gpus"], 2),
+             "share": round(r["lost_share"], 3), "to": r["lost_to"], "words": lost_words(r["lost_share"], r["lost_to"])}
+            for r in rows]
 
 
 # -- measured rhythm (docs/rhythm.md) --------------------------------------------------------------
@@ -445,6 +466,7 @@ def rhythm_summary(job: Job) -> dict[str, Any] | None:
         return None
     factor = straggler_factor()
     p50, p95 = state.error_percentiles()
+    accuracy, lost = state.accuracy(), state.lost()
     bubble = bubble_share(job.pp, job.accum_steps)
     return {
         "samples": len(state.step_s),
@@ -466,4 +488,35 @@ def rhythm_summary(job: Job) -> dict[str, Any] | None:
         "last_check": state.findings[-1] if state.findings else None,
         "stragglers": [{"rank": rank, "node": state.rank_nodes[rank] if rank < len(state.rank_nodes) else None,
                         "slowdown": round(ratio, 2)} for rank, ratio in sorted(state.stragglers(factor).items())],
+        "accuracy": accuracy,
+        "next_idle": state.next_idle,
+        "lost": None if lost is None else {"share": round(lost[0], 3), "to": lost[1]},
+        "words": {
+            "predictions": _prediction_words(accuracy, state),
+            "next_idle": (f"{IDLE_KIND_WORDS[state.next_idle['kind']]} after step {state.next_idle['after_step']}, "
+                          f"about {state.next_idle['duration_s']:.1f} s" if state.next_idle else "none expected"),
+            "lost": lost_words(*lost) if lost is not None else "after 10 steps",
+        },
     }
+
+
+def lost_words(share: float, cause: str) -> str:
+    """``38% of its GPU time, most to data wait``: how much of a job's time its GPUs do not compute."""
+    from jobs.rhythm import LOSS_WORDS
+
+    if share < 0.005:
+        return "none: its GPUs compute all the time"
+    return f"{share:.0%} of its GPU time, most to {LOSS_WORDS.get(cause, cause)}"
+
+
+def _prediction_words(accuracy: dict[str, dict[str, Any]], state: Any) -> str:
+    """The idle-window and reclaim predictions against their outcomes, in words."""
+    parts = []
+    if "idle" in accuracy:
+        a = accuracy["idle"]
+        parts.append(f"next idle window p50 {a['p50']:.3f}, p95 {a['p95']:.3f} ({a['n']} scored; 1 is one that did not come)")
+    if "reclaim" in accuracy:
+        a = accuracy["reclaim"]
+        late = sum(1 for r in state.reclaims if r["took_s"] > r["lead_s"])
+        parts.append(f"reclaim stops p50 {a['p50']:.3f}, p95 {a['p95']:.3f} ({a['n']} scored, {late} past their lead)")
+    return "; ".join(parts) or "none scored yet"

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from jobs.planner.snapshot import IdlePhase
+
 RHYTHM_WINDOW = 200           # step times kept (the planner's window)
 HISTORY = 20                  # saves, loads, gaps kept
 ERRORS = 200                  # prediction errors kept
@@ -36,6 +38,10 @@ HEALTH_WINDOW = 20            # losses before a change it is judged against
 HEALTH_AFTER = 5              # steps after a resize or resume that are checked
 SPIKE_SIGMAS = 4.0            # a loss this many deviations above the window before is a spike
 SPIKE_MIN_RISE = 0.05         # ... and at least this much above its mean (relative)
+LOSS_STEPS = 50               # the GPU time a job loses: an EWMA of wall time over about this many steps
+LOSS_PARTS = ("data_wait", "comm", "checkpoint", "pause")
+LOSS_WORDS = {"data_wait": "data wait", "comm": "communication", "checkpoint": "checkpoints",
+              "pause": "pauses off the step loop (evaluation, anything else)"}
 
 
 @dataclass
@@ -55,6 +61,11 @@ class Phase:
     duration_s: float
     kind: str
     seen: int                 # how many times it was observed
+    offset_steps: int = 0     # it follows steps offset, offset + every, ... (the last one seen, modulo)
+
+    def next_after(self, step: int) -> int:
+        """The first step after ``step`` it follows (as jobs.planner.snapshot.IdlePhase counts)."""
+        return IdlePhase(self.every_steps, self.duration_s, self.offset_steps).next_after(step)
 
 
 @dataclass
@@ -91,6 +102,17 @@ class RhythmState:
     checks: int = 0                                             # findings ever made
     save_errors: list[float] = field(default_factory=list)      # of the planner's save prediction (worst of the last 20)
     drop: dict[str, Any] | None = None
+    # Continuity counters of the last record: optimizer steps and samples drawn, less what the
+    # step number implies (constant while the run goes on as it should).
+    offsets: dict[str, int] = field(default_factory=dict)
+    # The next idle phase the planner expects (kind, after which step, how long), and how well
+    # such predictions came true (relative error of the duration; 1.0 for one that did not come).
+    next_idle: dict[str, Any] | None = None
+    idle_errors: list[float] = field(default_factory=list)
+    # Reclaims: the predicted stop (mean step + measured save), the lead the planner gave, what it took.
+    reclaims: list[dict[str, float]] = field(default_factory=list)
+    # Wall time per step as an EWMA, by where it went (compute, the LOSS_PARTS, "wall").
+    wall_s: dict[str, float] = field(default_factory=dict)
 
     # -- serialisation -----------------------------------------------------------------------
 
@@ -117,6 +139,17 @@ class RhythmState:
         ordered = sorted(errors)
         return _percentile(ordered, 0.50), _percentile(ordered, 0.95)
 
+    def accuracy(self) -> dict[str, dict[str, float | int]]:
+        """How well each prediction the planner acts on came true, by kind (``step``, ``save``,
+        ``idle``, ``reclaim``): relative error p50 and p95 and how many were scored."""
+        out = {}
+        for kind, errors, at_least in (("step", self.errors, 10), ("save", self.save_errors, 3),
+                                       ("idle", self.idle_errors, 3), ("reclaim", self.reclaim_errors(), 1)):
+            p50, p95 = self.error_percentiles(errors, at_least=at_least)
+            if p50 is not None and p95 is not None:
+                out[kind] = {"p50": round(p50, 4), "p95": round(p95, 4), "n": len(errors)}
+        return out
+
     def phases(self, checkpoint_every: int | None = None) -> list[Phase]:
         """The idle phases that recur, by kind: a regular step interval between gaps of one kind
         (a checkpoint's is its period when the job has one), and their median length."""
@@ -134,7 +167,8 @@ class RhythmState:
             regular = sum(1 for i in intervals if i == every) / len(intervals)
             if every <= 0 or regular < 0.6:
                 continue
-            out.append(Phase(every, statistics.median(g.duration_s for g in gaps), kind, len(gaps)))
+            out.append(Phase(every, statistics.median(g.duration_s for g in gaps), kind, len(gaps),
+                             gaps[-1].step % every))
         return out
 
     def stragglers(self, factor: float) -> dict[int, float]:
@@ -179,7 +213,8 @@ class RhythmState:
             if record_dp != self.dp:
                 self.dp, self.step_s, self.mean_s, self.stdev_s = record_dp, [], 0.0, 0.0
                 self.rank_ratios = {}
-            self._note_gap(step, step_s, at, record, checkpoint_every)
+            off, off_kind = self._note_gap(step, step_s, at, record, checkpoint_every)
+            self._score_idle(step)
             if self.step_s:
                 predicted = self.mean_s
                 self.errors = (self.errors + [abs(step_s - predicted) / step_s])[-ERRORS:]
@@ -187,6 +222,7 @@ class RhythmState:
             self.mean_s = sum(self.step_s) / len(self.step_s)
             self.stdev_s = math.sqrt(sum((v - self.mean_s) ** 2 for v in self.step_s) / len(self.step_s))
             self._note_shares(step_s, record)
+            self._note_wall(step_s, off, off_kind, record)
             self._note_ranks(record)
             if isinstance(record.get("rank_nodes"), list):
                 self.rank_nodes = [str(n) for n in record["rank_nodes"]]
@@ -194,6 +230,8 @@ class RhythmState:
             self.records += 1
             new += 1
             self._note_health(step, record)
+            if self.next_idle is None:
+                self.next_idle = self._predict_idle(checkpoint_every)
         return new
 
     # -- after a resize or a resume: did the run go on as it was? ----------------------------
@@ -209,7 +247,7 @@ class RhythmState:
         before = [loss for _, loss in self.losses]
         self.change = {
             "kind": "resize" if resized else "resume", "step": step, "expected_step": self.last_step + 1,
-            "layout_before": dict(self.layout),
+            "layout_before": dict(self.layout), "offsets_before": dict(self.offsets),
             "loss_mean": statistics.fmean(before) if before else None,
             "loss_stdev": statistics.pstdev(before) if len(before) > 1 else None,
             "after": [],
@@ -219,9 +257,10 @@ class RhythmState:
         loss = _finite(record.get("loss"))
         layout = {name: record[name] for name in ("dp", "accum", "micro_batch", "global_batch")
                   if isinstance(record.get(name), int)}
+        offsets = _offsets(step, record, layout.get("global_batch"))
         change = self.change
         if change is not None:
-            change["after"].append([step, loss, layout])
+            change["after"].append([step, loss, layout, offsets])
             if len(change["after"]) >= HEALTH_AFTER:
                 self.findings = (self.findings + [self._judge(change)])[-HISTORY:]
                 self.checks += 1
@@ -230,15 +269,18 @@ class RhythmState:
             self.losses = (self.losses + [[step, loss]])[-HEALTH_WINDOW:]
         if layout:
             self.layout = layout
+        if offsets:
+            self.offsets = offsets
 
     @staticmethod
     def _judge(change: dict[str, Any]) -> dict[str, Any]:
         after = change["after"]
         first_step, first_layout = after[0][0], after[0][2]
+        after = [entry if len(entry) > 3 else [*entry, {}] for entry in after]
         before = change["layout_before"]
         problems, notes = [], []
         mean, stdev = change["loss_mean"], change["loss_stdev"]
-        losses = [loss for _, loss, _ in after if loss is not None]
+        losses = [entry[1] for entry in after if entry[1] is not None]
         if mean is not None and stdev is not None and losses:
             worst = max(losses)
             limit = max(mean + SPIKE_SIGMAS * stdev, mean * (1 + SPIKE_MIN_RISE))
@@ -254,13 +296,14 @@ class RhythmState:
         elif g_after:
             accum = f" (accumulation {before.get('accum')} -> {first_layout.get('accum')})" if before.get("accum") != first_layout.get("accum") else ""
             notes.append(f"global batch {g_after} kept{accum}")
-        for _, _, layout in after:
+        for _, _, layout, _ in after:
             if all(k in layout for k in ("dp", "accum", "micro_batch", "global_batch")) and \
                     layout["dp"] * layout["accum"] * layout["micro_batch"] != layout["global_batch"]:
                 problems.append(f"dp {layout['dp']} x accumulation {layout['accum']} x micro-batch "
                                 f"{layout['micro_batch']} is not the global batch {layout['global_batch']}")
                 break
-        steps = [s for s, _, _ in after]
+        problems += _continuity(change.get("offsets_before") or {}, [entry[3] if len(entry) > 3 else {} for entry in after], notes)
+        steps = [entry[0] for entry in after]
         if steps != list(range(first_step, first_step + len(steps))):
             problems.append(f"steps did not follow one another after the change ({steps})")
         else:
@@ -284,18 +327,86 @@ class RhythmState:
             self.load_s = (self.load_s + [float(load_s)])[-HISTORY:]
 
     def _note_gap(self, step: int, step_s: float, at: float | None, record: Mapping[str, Any],
-                  checkpoint_every: int | None) -> None:
+                  checkpoint_every: int | None) -> tuple[float, str]:
+        """Note a gap before this record (or a stalled step); returns the off-step seconds before
+        it and their kind ("pause" for the small overheads between steps too)."""
         data_wait = _finite(record.get("data_wait_s")) or 0.0
         if data_wait >= STALL_SHARE * step_s and data_wait >= GAP_MIN_S:
             self.gaps = (self.gaps + [Gap(step, data_wait, "data_stall")])[-HISTORY:]
-            return
         if at is None or self.last_at is None or step != self.last_step + 1 or not self.step_s:
-            return
-        off = (at - self.last_at) - step_s  # wall time between the two steps not spent stepping
+            return 0.0, "pause"
+        off = max(0.0, (at - self.last_at) - step_s)  # wall time between the two steps not spent stepping
+        previous = step - 1
+        kind = "checkpoint" if checkpoint_every and previous % checkpoint_every == 0 else "pause"
         if off >= max(GAP_MIN_S, GAP_MIN_FACTOR * self.mean_s):
-            previous = step - 1
-            kind = "checkpoint" if checkpoint_every and previous % checkpoint_every == 0 else "pause"
             self.gaps = (self.gaps + [Gap(previous, off, kind)])[-HISTORY:]
+        return off, kind
+
+    # -- the next idle window: predicted, then scored --------------------------------------------
+
+    def _predict_idle(self, checkpoint_every: int | None) -> dict[str, Any] | None:
+        """The earliest recurring idle phase still to come, as the planner sees it: after every
+        ``every_steps``-th step (jobs.planner.rhythm.next_idle_phase)."""
+        best = None
+        for phase in self.phases(checkpoint_every=checkpoint_every):
+            after = phase.next_after(self.last_step)
+            if best is None or after < best["after_step"]:
+                best = {"kind": phase.kind, "after_step": after, "duration_s": phase.duration_s}
+        return best
+
+    def _score_idle(self, step: int) -> None:
+        """Score the pending idle prediction once the step it concerns has been seen: a data stall
+        is in the step itself, a pause or checkpoint in the gap after it."""
+        pending = self.next_idle
+        if pending is None:
+            return
+        due = pending["after_step"] + (0 if pending["kind"] == "data_stall" else 1)
+        if step < due:
+            return
+        self.next_idle = None
+        if step > due:
+            return  # steps were skipped (a resume): nothing to score
+        seen = [g for g in self.gaps if g.kind == pending["kind"] and g.step == pending["after_step"]]
+        error = 1.0 if not seen else min(1.0, abs(seen[-1].duration_s - pending["duration_s"]) / seen[-1].duration_s)
+        self.idle_errors = (self.idle_errors + [error])[-ERRORS:]
+
+    def observe_reclaim(self, predicted_s: float, lead_s: float, took_s: float) -> None:
+        """A reclaim's outcome: it was predicted to stop in ``predicted_s`` and given ``lead_s``; it took ``took_s``."""
+        self.reclaims = (self.reclaims + [{"predicted_s": predicted_s, "lead_s": lead_s, "took_s": took_s}])[-HISTORY:]
+
+    def reclaim_errors(self) -> list[float]:
+        """|took - predicted| over the larger of the two (a stop far quicker than predicted scores
+        near 1, not near infinity)."""
+        return [abs(r["took_s"] - r["predicted_s"]) / max(r["took_s"], r["predicted_s"])
+                for r in self.reclaims if max(r["took_s"], r["predicted_s"]) > 0]
+
+    # -- where the time goes ----------------------------------------------------------------------
+
+    def _note_wall(self, step_s: float, off: float, off_kind: str, record: Mapping[str, Any]) -> None:
+        """The wall time of this step and the gap before it, split: compute, data wait,
+        communication, checkpoints, pauses (an EWMA over about ``LOSS_STEPS`` steps)."""
+        parts = {name: max(0.0, _finite(record.get(f"{name}_s")) or 0.0) for name in SHARES}
+        total = sum(parts.values())
+        if total > step_s > 0:
+            parts = {name: v * step_s / total for name, v in parts.items()}
+        elif total < step_s:
+            parts["compute"] += step_s - total  # time the record did not attribute counts as the step's own
+        parts.update(checkpoint=0.0, pause=0.0)
+        parts[off_kind] += off
+        parts["wall"] = step_s + off
+        alpha = 2.0 / (min(self.records + 1, LOSS_STEPS) + 1)
+        for name, value in parts.items():
+            previous = self.wall_s.get(name)
+            self.wall_s[name] = value if previous is None else previous + alpha * (value - previous)
+
+    def lost(self) -> tuple[float, str] | None:
+        """The share of wall time the job's GPUs are not computing, and what takes most of it."""
+        wall = self.wall_s.get("wall") or 0.0
+        if self.records < SHORT_STEPS or wall <= 0:
+            return None
+        share = max(0.0, min(1.0, 1.0 - self.wall_s.get("compute", 0.0) / wall))
+        cause = max(LOSS_PARTS, key=lambda n: self.wall_s.get(n, 0.0))
+        return share, cause
 
     def _note_shares(self, step_s: float, record: Mapping[str, Any]) -> None:
         # Shares of *time* (EWMAs of seconds, then ratios): a 1.5 s stall every eighth 50 ms step
@@ -363,6 +474,34 @@ class RhythmState:
                 continue
             ratios = self.rank_ratios.get(str(rank), [])
             self.rank_ratios[str(rank)] = (ratios + [value / others])[-STRAGGLER_WINDOW:]
+
+
+def _offsets(step: int, record: Mapping[str, Any], global_batch: int | None) -> dict[str, int]:
+    """The record's optimizer step count less its step, and its data position (samples drawn
+    through this step) less ``step x global batch``: both constant while the run goes on as it should."""
+    out = {}
+    opt = record.get("opt_step")
+    if isinstance(opt, int) and not isinstance(opt, bool):
+        out["opt_step"] = opt - step
+    data = record.get("data_pos")
+    if isinstance(data, int) and not isinstance(data, bool) and global_batch:
+        out["data_pos"] = data - step * global_batch
+    return out
+
+
+def _continuity(before: Mapping[str, int], after: list[Mapping[str, int]], notes: list[str]) -> list[str]:
+    """Problems with the optimizer step count and data position after a change (notes when they
+    continued)."""
+    problems = []
+    for name, words, unit in (("opt_step", "optimizer step count", "steps"), ("data_pos", "data position", "samples")):
+        if name not in before or not any(name in a for a in after):
+            continue
+        off = [a[name] - before[name] for a in after if name in a and a[name] != before[name]]
+        if off:
+            problems.append(f"the {words} did not continue: {off[0]:+d} {unit} against the step count")
+        else:
+            notes.append(f"{words} continued")
+    return problems
 
 
 def bubble_share(pp: int, micro_batches: int) -> float:

@@ -96,7 +96,7 @@ def _job_row(job: Job, holdings: tuple[ps.Holding, ...]) -> ps.Job:
     if measured is not None:
         rhythm = ps.Rhythm(step_s=tuple(measured.step_s) if measured.dp == job.dp else (),
                            save_s=tuple(measured.save_s), load_s=tuple(measured.load_s))
-        idle = tuple(ps.IdlePhase(p.every_steps, p.duration_s)
+        idle = tuple(ps.IdlePhase(p.every_steps, p.duration_s, p.offset_steps)
                      for p in measured.phases(checkpoint_every=job.checkpoint_every_steps))
     waiting = job.state in ps.WAITING_PHASES or job.state == "recovering"
     return ps.Job(

@@ -162,6 +162,24 @@ def render_metrics() -> str:
     out.family("omni_step_prediction_error_p95_across_jobs", "gauge",
                "Median and worst of the running jobs' p95 step-time prediction errors.",
                [({"stat": "median"}, _quantile(p95s, 0.5)), ({"stat": "max"}, p95s[-1] if p95s else float("nan"))])
+    # The other predictions the planner acts on (save time, next idle window, reclaim stop), and
+    # the GPU time each running job loses, and to what.
+    measured = list(JobRhythm.objects.filter(job__state__in=[JobState.RUNNING, JobState.RESIZING])
+                    .values_list("job__name", "accuracy", "lost_share", "lost_to"))
+    kinds = ("save", "idle", "reclaim")
+    out.family("omni_job_prediction_error", "gauge",
+               "Relative error of a running job's predictions by kind (save, idle window, reclaim stop): p50 and p95.",
+               [({"job": name, "prediction": kind, "quantile": q}, (accuracy or {})[kind][key])
+                for name, accuracy, _, _ in measured for kind in kinds if kind in (accuracy or {})
+                for q, key in (("0.5", "p50"), ("0.95", "p95"))])
+    out.family("omni_prediction_error_p95_across_jobs", "gauge",
+               "Median and worst of the running jobs' p95 prediction errors, by kind.",
+               [({"prediction": kind, "stat": stat}, value) for kind in kinds
+                for values in [sorted((a or {})[kind]["p95"] for _, a, _, _ in measured if kind in (a or {}))]
+                for stat, value in (("median", _quantile(values, 0.5)), ("max", values[-1] if values else float("nan")))])
+    out.family("omni_job_gpu_time_lost_share", "gauge",
+               "Share of a running job's recent wall time its GPUs did not compute, by what took most of it.",
+               [({"job": name, "to": to}, share) for name, _, share, to in measured if share is not None])
     slow = list(Node.objects.filter(speed_factor__gt=1.0).values_list("name", "speed_factor"))
     out.family("omni_node_speed_factor", "gauge", "Nodes measured slow (straggler speed factor above 1).",
                [({"node": name}, factor) for name, factor in slow])

@@ -24,6 +24,10 @@ REFERENCE_ENTRYPOINT = ("-m", "trainer_agent.reference")
 # torchrun waits this long for every node's agent to join before it gives up.
 JOIN_TIMEOUT_S = 300
 # Variables the ranks get from torchrun, or from Omni, which a job's own env may not set.
+# After a resize, omni jobs ramp their learning rate up over this many steps (from 10%): the
+# new layout's gradient noise settles before the full rate (docs/rhythm.md).
+CALIBRATION_STEPS = 5
+
 RESERVED_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
@@ -94,6 +98,8 @@ def rank_env(payload: dict[str, Any], node: str, paths: RunPaths, base: dict[str
     env.update({str(k): str(v) for k, v in (workload.get("env") or {}).items() if k not in RESERVED_ENV})
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # The post-resize calibration ramp is on for omni jobs unless the job's env says otherwise.
+    env.setdefault("OMNI_CALIBRATION_STEPS", str(CALIBRATION_STEPS))
     env.update({
         "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),
         "OMNI_JOB": payload["job"],

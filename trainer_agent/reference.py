@@ -3,7 +3,8 @@
 Each rank (torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...) builds the
 reference trainer's configuration from the job's environment (``OMNI_RUN_DIR``,
 ``OMNI_TOTAL_STEPS``, ``OMNI_GLOBAL_BATCH``, ``OMNI_MICRO_BATCH``, ``OMNI_CHECKPOINT_EVERY``,
-``OMNI_KEEP_CHECKPOINTS``; DP is the world size), lets any ``trainer_agent.train`` option given
+``OMNI_KEEP_CHECKPOINTS``, the post-resize ramp's ``OMNI_CALIBRATION_STEPS`` and
+``OMNI_CALIBRATION_START``; DP is the world size), lets any ``trainer_agent.train`` option given
 after the module override it (``--model small``, ``--seed 3``), and runs one
 ``trainer_agent.worker`` rank. It is the ``omni`` integration: cooperative checkpoint-and-stop
 through ``control.json`` and SIGTERM, step records in ``metrics.jsonl``, resume at any DP from
@@ -30,7 +31,9 @@ def build_argv(env: dict[str, str], extra: list[str]) -> list[str]:
 
     argv = ["--run-dir", need("OMNI_RUN_DIR"), "--steps", need("OMNI_TOTAL_STEPS"), "--dp", need("WORLD_SIZE")]
     for option, name in (("--global-batch", "OMNI_GLOBAL_BATCH"), ("--micro-batch", "OMNI_MICRO_BATCH"),
-                         ("--checkpoint-every", "OMNI_CHECKPOINT_EVERY"), ("--keep", "OMNI_KEEP_CHECKPOINTS")):
+                         ("--checkpoint-every", "OMNI_CHECKPOINT_EVERY"), ("--keep", "OMNI_KEEP_CHECKPOINTS"),
+                         ("--calibration-steps", "OMNI_CALIBRATION_STEPS"),
+                         ("--calibration-start-fraction", "OMNI_CALIBRATION_START")):
         if env.get(name):
             argv += [option, env[name]]
     return argv + extra

@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 from trainer_agent.balancing import StepPlan, plan_step  # noqa: E402
 from trainer_agent.checkpoint import checkpoint_name  # noqa: E402
-from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime  # noqa: E402
+from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime, optimizer_steps  # noqa: E402
 from trainer_agent.runtime.dcp import Checkpointer  # noqa: E402
 from trainer_agent.runtime.ddp import exact_ddp  # noqa: E402
 from trainer_agent.runtime.job import trim_records, write_exit  # noqa: E402
@@ -335,6 +335,10 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
             "lr": lr, "dp": world_size, "accum": config.accum, "micro_batch": config.micro_batch,
             "global_batch": config.global_batch, "balance": config.balance,
             "estimated_imbalance": batch.plan.estimated_imbalance,
+            # Continuity after a resize or resume (docs/rhythm.md): the optimizer's own count and
+            # the samples drawn through this step.
+            "opt_step": optimizer_steps(optimizer),
+            "data_pos": max(spec.index for spec in batch.global_specs) + 1,
         }
         runtime.end_step(record_extra)
         stopping = runtime.should_checkpoint_and_stop() or step == last_step

@@ -75,9 +75,12 @@ def main() -> None:
                         loss = (ddp(x.to(device)) - y.to(device)).pow(2).sum()
                         (loss / job.global_batch).backward()  # exact_ddp sums: the global mean gradient
                     loss_sum += loss.item()
-                optimizer.step()
+                with job.calibrated(optimizer, step):  # after a resize: a short lr ramp (off otherwise)
+                    optimizer.step()
                 scheduler.step()
             s.add_loss(loss_sum, job.global_batch // job.dp)  # the step's loss: mean squared error per sample
+            # For the control plane's check after a resize or resume: the counts went on.
+            s.note(opt_step=omni.optimizer_steps(optimizer), data_pos=step * job.global_batch)
             s.count_tokens(text=job.global_batch // job.dp)
         if job.should_checkpoint(step):
             checkpointer.save(step, model=model, optimizer=optimizer, scheduler=scheduler, batch=job.batch,

@@ -373,7 +373,8 @@ def _preempt_done(o: _Outcome) -> None:
                     "GPUs released")
         else:
             text = o.text + f"; checkpoint at step {job.last_checkpoint_step} saved, GPUs released"
-        o.audit(text=text, extra={"steps_lost": 0}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
+        o.audit(text=text, extra={"steps_lost": 0, **_score_stop(o)}, nodes_before=nodes, gpus_before=o.gpus_before,
+                gpus_after=0)
         return
     nodes = job_nodes(job)
     lost = kill_and_release(job)
@@ -387,6 +388,22 @@ def _preempt_done(o: _Outcome) -> None:
         return
     o.audit(EventKind.KILL, rule="checkpoint_failed", text=o.text + f"; {lost} steps lost",
             extra={"steps_lost": lost}, nodes_before=nodes, gpus_before=o.gpus_before, gpus_after=0)
+
+
+def _score_stop(o: _Outcome) -> dict[str, Any]:
+    """A stop the planner timed (a reclaim: ``predicted_stop_s`` in its decision) against what it
+    took, from the command to the agent's ``done``: into the job's rhythm, and for its audit row."""
+    inputs = (o.decision.reason or {}).get("inputs", {}) if o.decision is not None else {}
+    predicted, lead = inputs.get("predicted_stop_s"), inputs.get("lead_time_s")
+    if not isinstance(predicted, (int, float)) or o.command.finished_at is None:
+        return {}
+    took = max(0.0, (o.command.finished_at - o.command.created_at).total_seconds())
+    lead = float(lead) if isinstance(lead, (int, float)) else float(predicted)
+    from jobs.actions.rhythm import observe_reclaim
+
+    observe_reclaim(o.job, predicted_s=float(predicted), lead_s=lead, took_s=took)
+    return {"stop_took_s": round(took, 2), "stop_predicted_s": predicted, "lead_time_s": lead,
+            "within_lead": took <= lead}
 
 
 def _seconds(value: Any) -> str:
@@ -419,6 +436,7 @@ def _resize_done(o: _Outcome) -> None:
         resume = write_commands(job, CommandKind.RESUME, layout, nodes, leader=layout[0][0])
         dispatch_on_commit({n.id for n in nodes.values()})
         extra["resume_command"] = str(resume.id)
+    extra.update(_score_stop(o))
     o.audit(extra=extra, gpus_before=o.gpus_before, gpus_after=job.allocations.count(), dp_after=job.dp,
             accum_after=job.accum_steps, global_batch=job.global_batch)
 

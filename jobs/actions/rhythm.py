@@ -12,6 +12,7 @@ straggler margin over a whole window.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.db import transaction
@@ -58,10 +59,19 @@ def _record_health(job: Job, finding: dict[str, Any]) -> None:
 
 def observe_checkpoint(job: Job, *, save_s: float | None = None, load_s: float | None = None) -> None:
     """A measured save or load of ``job`` (from a command's outcome) joins its rhythm."""
+    _update(job, lambda state: state.observe_checkpoint(save_s=save_s, load_s=load_s))
+
+
+def observe_reclaim(job: Job, *, predicted_s: float, lead_s: float, took_s: float) -> None:
+    """A reclaim of ``job`` ended: what its stop was predicted to take, the lead it had, what it took."""
+    _update(job, lambda state: state.observe_reclaim(predicted_s, lead_s, took_s))
+
+
+def _update(job: Job, change: Callable[[RhythmState], None]) -> None:
     JobRhythm.objects.get_or_create(job=job)
     row = JobRhythm.objects.select_for_update().get(job=job)
     state = row.load()
-    state.observe_checkpoint(save_s=save_s, load_s=load_s)
+    change(state)
     row.store(state)
     row.save()
 

@@ -18,6 +18,11 @@ class JobRhythm(models.Model):
     stdev_step_s = models.FloatField(null=True, blank=True)
     error_p50 = models.FloatField(null=True, blank=True, help_text="Step-time prediction error, median (relative).")
     error_p95 = models.FloatField(null=True, blank=True)
+    lost_share = models.FloatField(null=True, blank=True,
+                                   help_text="Share of the job's wall time its GPUs do not compute (recent steps).")
+    accuracy = models.JSONField(default=dict, blank=True,
+                                help_text="Prediction error by kind: {step|save|idle|reclaim: {p50, p95, n}}.")
+    lost_to = models.CharField(max_length=16, blank=True, help_text="What takes most of that time (jobs.rhythm.LOSS_PARTS).")
     updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:
@@ -33,3 +38,6 @@ class JobRhythm(models.Model):
         self.mean_step_s = state.mean_s if state.step_s else None
         self.stdev_step_s = state.stdev_s if state.step_s else None
         self.error_p50, self.error_p95 = state.error_percentiles()
+        self.accuracy = state.accuracy()
+        lost = state.lost()
+        self.lost_share, self.lost_to = lost if lost is not None else (None, "")

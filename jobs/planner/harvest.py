@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
 from jobs.planner.entitlements import entitled_gpus, is_active, next_boundary_s, next_start_s
-from jobs.planner.rhythm import min_loan_window_s, predict, reclaim_lead_time, stop_time_s, widened_words
+from jobs.planner.rhythm import (
+    expected_stop_s,
+    min_loan_window_s,
+    predict,
+    reclaim_lead_time,
+    stop_time_s,
+    widened_words,
+)
 from jobs.planner.snapshot import WAITING_PHASES, Gpu, Job, Reservation
 from jobs.planner.victims import (
     VictimOption,
@@ -220,6 +227,8 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         "need_at_s": need_s,
         "lead_time_s": round(lead_s, 3),
         "predicted_save_s": predict(job, state.config).save_s,
+        # What the stop is expected to take, without the safety factor: scored against the outcome.
+        "predicted_stop_s": round(expected_stop_s(job, state.config), 3),
         "safety_factor": state.config.safety_factor,
         "gpus_returned": len(opt.freed),
     }

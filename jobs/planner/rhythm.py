@@ -110,11 +110,12 @@ def widened_words(prediction: RhythmPrediction, config: PlannerConfig) -> str:
 def next_idle_phase(job: Job) -> tuple[int, float] | None:
     """The next idle phase as (step it starts after, duration_s), or None.
 
-    An idle phase with ``every_steps = N`` starts after every N-th committed step.
+    An idle phase with ``every_steps = N`` starts after every N-th committed step (counted
+    from its ``offset_steps``).
     """
     best: tuple[int, float] | None = None
     for phase in job.idle_phases:
-        at = (job.committed_steps // phase.every_steps + 1) * phase.every_steps
+        at = phase.next_after(job.committed_steps)
         if at > job.total_steps:
             continue
         if best is None or at < best[0]:
@@ -132,6 +133,15 @@ def stop_time_s(job: Job, config: PlannerConfig, prediction: RhythmPrediction | 
         return job.grace_s
     p = prediction or predict(job, config)
     return p.step_s + p.save_s * config.safety_factor
+
+
+def expected_stop_s(job: Job, config: PlannerConfig) -> float:
+    """The stop time without its safety margin: the mean step plus the measured save (a signal
+    job's grace). What a reclaim's outcome is scored against (docs/rhythm.md)."""
+    if job.signal:
+        return job.grace_s
+    p = predict(job, config)
+    return p.mean_step_s + p.save_s
 
 
 def reclaim_lead_time(job: Job, config: PlannerConfig, prediction: RhythmPrediction | None = None) -> float:

@@ -96,10 +96,18 @@ class CheckpointSpec:
 
 @dataclass(frozen=True, slots=True)
 class IdlePhase:
-    """After every ``every_steps`` committed steps the job spends ``duration_s`` off its GPUs."""
+    """After every ``every_steps`` committed steps the job spends ``duration_s`` off its GPUs
+    (after steps ``offset_steps``, ``offset_steps + every_steps``, ...; a measured phase may not
+    fall on multiples of its period)."""
 
     every_steps: int
     duration_s: float
+    offset_steps: int = 0
+
+    def next_after(self, step: int) -> int:
+        """The first step after ``step`` that this phase follows."""
+        every = max(1, self.every_steps)
+        return ((step - self.offset_steps) // every + 1) * every + self.offset_steps
 
 
 @dataclass(frozen=True, slots=True)

@@ -340,6 +340,9 @@
       step: (r) => (r.mean_step_s === null ? "" : `${fixed(r.mean_step_s, 3)} s ± ${fixed(r.stdev_step_s, 3)} over the last ${r.samples} steps at dp ${r.dp} (submitted ${card.dataset.submittedS} s)`),
       error: (r) => (r.prediction_error_p50 === null ? "after 10 steps" : `p50 ${fixed(r.prediction_error_p50, 3)}, p95 ${fixed(r.prediction_error_p95, 3)} of a step`)
         + (r.save_prediction_error_p50 === null ? "" : `; saves p50 ${fixed(r.save_prediction_error_p50, 3)}, p95 ${fixed(r.save_prediction_error_p95, 3)}`),
+      predictions: (r) => r.words.predictions,
+      next_idle: (r) => r.words.next_idle,
+      lost: (r) => r.words.lost,
       idle: (r) => (r.idle_phases.length ? r.idle_phases.map((p) => `${p.words} every ${p.every_steps} steps, ${fixed(p.duration_s, 1)} s`).join("; ") : "none seen"),
       diagnosis: (r) => r.diagnosis || "",
       check: (r) => (r.last_check ? r.last_check.text : "no resize or resume yet"),
@@ -739,6 +742,16 @@
         el("td", {class: "wrap", text: item.why || ""}),
       ]);
     }
+    function losingRow(item) {  // the row templates/jobs/console.html renders in #losing
+      const name = item.visibility === "summary" ? el("strong", {title: "details are visible to its owner", text: item.name})
+        : el("a", {href: "/jobs/" + item.id + "/"}, [el("strong", {text: item.name})]);
+      return el("tr", {"data-job-id": item.id}, [
+        el("td", {class: "nowrap"}, [name, el("div", {class: "faint small", text: item.owner})]),
+        el("td", {}, [el("span", {class: "pill class-" + item.priority, text: item.priority_label})]),
+        el("td", {class: "num", text: String(item.gpus)}), el("td", {class: "num", text: Number(item.lost_gpus).toFixed(1)}),
+        el("td", {class: "wrap", text: item.words}),
+      ]);
+    }
     function showSummary(s) {
       Object.entries({nodes: s.nodes, gpus_total: s.gpus_total, gpus_allocated: s.gpus_allocated, gpus_borrowed: s.gpus_borrowed})
         .forEach(([name, n]) => { $("#cluster-counts [data-count=" + name + "]").textContent = String(n); });
@@ -752,6 +765,9 @@
       $("#queue-count").textContent = String(s.queue.length);
       $("#queue tbody").replaceChildren(...(s.queue.length ? s.queue.map(queueRow)
         : [el("tr", {}, [el("td", {colspan: "6", class: "muted", text: "Nothing is waiting."})])]));
+      const losing = s.losing || [];
+      $("#losing tbody").replaceChildren(...(losing.length ? losing.map(losingRow)
+        : [el("tr", {}, [el("td", {colspan: "5", class: "muted", text: "No running job is losing GPU time (or none has sent 10 step records yet)."})])]));
       const u = data.utilisation;  // allocated and harvested are steps: a point at each summary
       u.t.push(s.at); u.allocated.push(s.gpus_allocated); u.harvested.push(s.gpus_borrowed);
       if (s.used) { u.used_t.push(s.used.t); u.used.push(s.used.gpus); }

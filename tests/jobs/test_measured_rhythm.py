@@ -104,3 +104,74 @@ def test_a_resize_is_followed_by_an_audited_health_check(running):
     assert summary["last_check"]["text"] == row.reason["text"]
     actions.observe_step_records(job.pk, records(37, 40, start_at=6000.0, dp=4, run="r2"))
     assert ElasticEvent.objects.filter(kind=EventKind.HEALTH_CHECK).count() == 1  # one check per change
+
+
+def test_the_console_lists_the_jobs_losing_most_gpu_time_and_to_what(running, make_job, make_nodes, django_user_model):
+    from jobs import roles
+    from jobs.live_consumers import payload_for_viewer
+    from jobs.live_data import cluster_summary
+
+    job, nodes = running
+    stalled = actions.place_job(make_job(name="stalled", dp=1, dp_min=1, dp_max=1, step_s=1.0),
+                                [(nodes[0], 1)], actor="planner", reason=PLACED)
+    steady = records(1, 30)                     # 5% data wait, 15% communication
+    starved = records(1, 30)
+    for r in starved:
+        r["data_wait_s"], r["compute_s"], r["comm_s"] = 0.7, 0.25, 0.05
+    actions.observe_step_records(job.pk, steady)
+    actions.observe_step_records(stalled.pk, starved)
+    losing = cluster_summary()["losing"]
+    # One GPU three-quarters lost outweighs two a fifth lost.
+    assert [(item["name"], item["gpus"], item["to"]) for item in losing] == [("stalled", 1, "data_wait"), ("measured", 2, "comm")]
+    assert losing[1]["lost_gpus"] == pytest.approx(2 * 0.2, abs=0.01)
+    assert losing[0]["words"] == "75% of its GPU time, most to data wait"
+    # Another researcher sees neither job's name linked ... and one who may not see them, nothing.
+    visibility = {job.pk: roles.Visibility.SUMMARY, stalled.pk: roles.Visibility.NONE}
+    cut = payload_for_viewer("cluster_summary", cluster_summary(), lambda pk: visibility[pk])
+    assert [(item["name"], item.get("visibility")) for item in cut["losing"]] == [("measured", "summary")]
+    assert cut["losing"] and all(item["id"] != stalled.pk for item in cut["losing"])
+
+
+def test_a_reclaim_is_scored_against_its_predicted_stop_and_its_audit_row_says_how_long_it_took(running):
+    from jobs.actions.planner_pass import _apply_action
+    from jobs.models import Command, CommandState, PlannerRun
+    from jobs.planner.decisions import Action, Reason
+    from jobs.planner.snapshot import Gpu
+
+    job, _ = running
+    before = tuple(Gpu(a.node.name, a.gpu_index) for a in job.allocations.select_related("node"))
+    action = Action(kind="preempt", job=job.name, gpus_before=before, gpus_after=(), dp_after=0,
+                    reason=Reason("harvest.reclaim", "reclaimed by the test",
+                                  {"predicted_stop_s": 4.0, "lead_time_s": 30.0}),
+                    deadline_s=timezone.now().timestamp() + 30.0, graceful=True)
+    _apply_action(action, run=PlannerRun.objects.create(trigger="test"), now=timezone.now(),
+                  nodes={n.name: n for n in Node.objects.all()}, pools={}, touched=set())
+    for command in Command.objects.filter(job=job, state=CommandState.PENDING):
+        actions.record_command_outcome(command.node, str(command.id), ok=True,
+                                       outcome={"checkpoint_step": 0, "save_s": 0.5})
+    outcome = ElasticEvent.objects.filter(kind=EventKind.OUTCOME, job_name="measured").last()
+    took = outcome.outcome["stop_took_s"]
+    assert 0 <= took < 30 and outcome.outcome["within_lead"] is True
+    assert outcome.outcome["stop_predicted_s"] == 4.0
+    accuracy = JobRhythm.objects.get(job=job).accuracy["reclaim"]
+    assert accuracy["n"] == 1 and accuracy["p50"] == pytest.approx(abs(took - 4.0) / max(took, 4.0), rel=0.05)
+
+
+def test_metrics_export_every_prediction_error_and_the_gpu_time_lost(running):
+    from telemetry.views import render_metrics
+
+    job, _ = running
+    rows = records(1, 40, pause_after={s: 30.0 for s in (10, 20, 30)})
+    actions.observe_step_records(job.pk, rows)
+    from jobs.actions.rhythm import observe_checkpoint, observe_reclaim
+
+    for seconds in (2.0, 2.0, 2.5, 2.0):
+        observe_checkpoint(job, save_s=seconds)
+    observe_reclaim(job, predicted_s=5.0, lead_s=20.0, took_s=4.0)
+    text = render_metrics()
+    assert 'omni_job_step_prediction_error{job="measured",quantile="0.95"} 0' in text
+    assert 'omni_job_prediction_error{job="measured",prediction="reclaim",quantile="0.5"} 0.2' in text
+    assert 'omni_job_prediction_error{job="measured",prediction="save",quantile="0.95"}' in text
+    assert 'omni_prediction_error_p95_across_jobs{prediction="reclaim",stat="max"} 0.2' in text
+    lost = next(line for line in text.splitlines() if line.startswith("omni_job_gpu_time_lost_share{"))
+    assert lost.startswith('omni_job_gpu_time_lost_share{job="measured",to="pause"} 0.')

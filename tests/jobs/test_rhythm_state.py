@@ -190,3 +190,77 @@ def test_shares_never_add_up_to_more_than_the_step():
     state.observe(rows, dp=2)
     assert sum(state.shares.values()) == pytest.approx(1.0)
     assert state.shares["comm"] == pytest.approx(0.65 / 1.3)
+
+
+def test_the_next_idle_window_is_predicted_and_scored_when_its_step_comes():
+    state = RhythmState()
+    state.observe(records(1, 60, pause_after={s: 30.0 for s in (20, 40, 60)}), dp=2, checkpoint_every=20)
+    assert [(p.kind, p.every_steps, p.offset_steps) for p in state.phases(20)] == [("checkpoint", 20, 0)]
+    assert state.next_idle == {"kind": "checkpoint", "after_step": 60, "duration_s": 30.0}
+    state.observe(records(61, 81, start_at=1000.0 + 60 + 60.0, pause_after={60: 30.0, 80: 36.0}), dp=2,
+                  checkpoint_every=20)
+    # The gap after 60 came as predicted (30 s), the one after 80 took 36 s against 30 s predicted.
+    assert state.idle_errors == pytest.approx([0.0, 6.0 / 36.0])
+    assert state.next_idle["after_step"] == 100
+    # A window that does not come scores 1.
+    state.observe(records(82, 101, start_at=5000.0), dp=2, checkpoint_every=20)
+    assert state.idle_errors[-1] == 1.0
+    assert state.accuracy()["idle"]["n"] == 3
+
+
+def test_a_phase_off_the_multiples_of_its_period_is_predicted_from_where_it_was_seen():
+    from jobs.planner.snapshot import IdlePhase
+
+    state = RhythmState()
+    state.observe(records(1, 70, pause_after={s: 12.0 for s in (7, 32, 57)}), dp=2)
+    (phase,) = state.phases()
+    assert (phase.every_steps, phase.offset_steps) == (25, 7)
+    assert state.next_idle["after_step"] == 82
+    assert IdlePhase(25, 12.0, 7).next_after(57) == 82 and IdlePhase(25, 12.0).next_after(57) == 75
+
+
+def test_reclaim_stops_are_scored_against_their_prediction():
+    state = RhythmState()
+    state.observe_reclaim(predicted_s=10.0, lead_s=20.0, took_s=12.5)
+    state.observe_reclaim(predicted_s=10.0, lead_s=20.0, took_s=25.0)
+    state.observe_reclaim(predicted_s=10.0, lead_s=20.0, took_s=0.5)  # far quicker: near 1, not 19
+    assert state.reclaim_errors() == pytest.approx([2.5 / 12.5, 15.0 / 25.0, 9.5 / 10.0])
+    assert state.accuracy()["reclaim"] == {"p50": pytest.approx(0.6), "p95": pytest.approx(0.915), "n": 3}
+
+
+def test_the_gpu_time_lost_names_what_takes_it():
+    state = RhythmState()
+    rows = records(1, 60, pause_after={s: 9.0 for s in range(10, 61, 10)})  # 9 s off every 10 one-second steps
+    state.observe(rows, dp=2)
+    share, cause = state.lost()
+    assert cause == "pause" and 0.3 < share < 0.7
+    stalled = RhythmState()
+    rows = records(1, 60)
+    for r in rows:
+        r["data_wait_s"], r["compute_s"], r["comm_s"] = 0.6, 0.35, 0.05
+    stalled.observe(rows, dp=2)
+    share, cause = stalled.lost()
+    assert cause == "data_wait" and share == pytest.approx(0.65, abs=0.01)
+    assert RhythmState().lost() is None
+
+
+def test_the_optimizer_step_count_and_data_position_must_continue_after_a_change():
+    def counted(rows, opt_shift=0, data_shift=0):
+        for r in rows:
+            r["opt_step"], r["data_pos"] = r["step"] + opt_shift, r["step"] * 32 + data_shift
+        return rows
+
+    state = RhythmState()
+    state.observe(counted(_losses(records(1, 40, accum=4, micro_batch=4, global_batch=32, run="a"), 2.0)), dp=2)
+    state.observe(counted(_losses(records(31, 36, start_at=5000.0, accum=4, micro_batch=4, global_batch=32, run="b"),
+                                  2.0)), dp=2)
+    assert state.findings[-1]["healthy"]
+    assert "optimizer step count continued" in state.findings[-1]["text"]
+    assert "data position continued" in state.findings[-1]["text"]
+    # A resume whose optimizer state was not restored, and whose data restarted from the beginning.
+    state.observe(counted(_losses(records(37, 42, start_at=9000.0, accum=4, micro_batch=4, global_batch=32, run="c"),
+                                  2.0), opt_shift=-36, data_shift=-36 * 32), dp=2)
+    text = state.findings[-1]["text"]
+    assert not state.findings[-1]["healthy"]
+    assert "the optimizer step count did not continue: -36 steps" in text
+    assert "the data position did not continue: -1152 samples" in text

@@ -127,8 +127,6 @@ def test_a_run_stopped_by_control_json_resumes_on_the_uninterrupted_loss_traject
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_an_hf_run_resized_to_one_replica_keeps_the_global_batch_and_the_loss_trajectory(tmp_path):
     straight = run_straight("hf", tmp_path)
     run_dir = tmp_path / "hf-resized"
@@ -165,6 +163,7 @@ def test_the_hf_step_records_carry_the_layout_and_the_tokens(tmp_path):
     assert (first["dp"], first["accum"], first["micro_batch"], first["global_batch"]) == (2, 2, 4, 16)
     assert first["tokens"]["text"] == 16 * 32  # the global batch of 32-token sequences
     assert first["compute_s"] > 0
+    assert [r["opt_step"] for r in records] == [1, 2, 3]  # the optimizer's own count, for the health check
     # The final save is announced too: the agent can see the step it would resume from.
     assert json.loads((run_dir / "checkpoints" / "omni-latest.json").read_text())["step"] == 3
 
@@ -213,3 +212,41 @@ def test_the_lightning_sampler_gives_each_replica_its_share_of_every_step_from_t
     # 20 steps of global batch 2 x micro 1: replica r takes sample 2(n-1)+r at step n.
     assert [list(StepBatchSampler(job, first_step=19)) for job in replicas] == [[[36], [38]], [[37], [39]]]
     assert len(StepBatchSampler(replicas[0], first_step=19)) == 20  # the whole run's length
+
+
+def test_after_a_resize_the_library_ramps_the_learning_rate_and_puts_it_back(tmp_path):
+    import torch
+
+    from trainer_agent.runtime import optimizer_steps
+    from trainer_agent.runtime.job import Job, JobSpec
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "OMNI_RUN_DIR": str(tmp_path), "OMNI_TOTAL_STEPS": "20",
+           "OMNI_MICRO_BATCH": "1", "OMNI_GLOBAL_BATCH": "2", "OMNI_CALIBRATION_STEPS": "4",
+           "OMNI_CALIBRATION_START": "0.2"}
+    from trainer_agent.runtime import TrainerRuntime
+
+    job = Job(JobSpec.from_env(env), TrainerRuntime(rank=0, world_size=2, handle_signals=False))
+    job._resumed(10, previous_dp=2)  # a resume at the same DP: no ramp
+    assert job.lr_factor(11) == 1.0
+    job._resumed(10, previous_dp=1)  # from dp 1 to 2: a resize
+    assert [job.lr_factor(s) for s in (10, 11, 12, 13, 14, 15)] == pytest.approx([1.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.AdamW([weight], lr=0.5)
+    assert optimizer_steps(optimizer) is None
+    seen = []
+    weight.grad = torch.ones(1)
+    with job.calibrated(optimizer, 11) as factor:
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+    assert factor == pytest.approx(0.2) and seen == [pytest.approx(0.1)]
+    assert optimizer.param_groups[0]["lr"] == 0.5  # put back for the scheduler
+    assert optimizer_steps(optimizer) == 1
+
+
+def test_the_calibration_ramp_is_off_outside_omni_and_a_bad_fraction_is_named(tmp_path):
+    from trainer_agent.runtime.job import JobEnvironmentError, JobSpec
+
+    base = {"OMNI_RUN_DIR": str(tmp_path), "OMNI_TOTAL_STEPS": "20", "OMNI_MICRO_BATCH": "1"}
+    assert JobSpec.from_env(base).calibration_steps == 0
+    with pytest.raises(JobEnvironmentError, match="OMNI_CALIBRATION_START='2' is not a fraction"):
+        JobSpec.from_env({**base, "OMNI_CALIBRATION_START": "2"})

@@ -20,6 +20,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from trainer_agent.integrations import forget_recomputed_steps, noted_checkpoint, step_extra
 from trainer_agent.runtime.job import Job
+from trainer_agent.runtime.steps import optimizer_steps
 
 
 def training_args_kwargs(job: Job, **overrides: Any) -> dict[str, Any]:
@@ -94,6 +95,8 @@ class OmniCallback(TrainerCallback):
         if self._compute is not None:
             self._compute.__exit__(None, None, None)
             self._compute = None
+        # The optimizer's own step count, checked for continuity after a resume (docs/rhythm.md).
+        self.job.runtime.note(opt_step=optimizer_steps(kwargs.get("optimizer")))
         control.should_log = True  # the log that follows carries the step's loss, on every rank
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

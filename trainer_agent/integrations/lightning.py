@@ -27,6 +27,7 @@ from torch.utils.data import Sampler
 from trainer_agent.integrations import forget_recomputed_steps, noted_checkpoint, step_extra
 from trainer_agent.runtime.dcp import capture_rng_state, restore_rng_state
 from trainer_agent.runtime.job import Job
+from trainer_agent.runtime.steps import optimizer_steps
 
 CHECKPOINT_PATTERN = re.compile(r"^lightning-step-(\d+)\.ckpt$")
 RNG_KEY = "omni_rng_states"  # every rank's random streams, by rank, in the checkpoint
@@ -157,6 +158,8 @@ class OmniCallback(pl.Callback):
         if trainer.global_step != self._open_step:
             return  # accumulating: the optimizer has not stepped yet
         step, self._open_step = self._open_step, None
+        # The optimizer's own step count, checked for continuity after a resume (docs/rhythm.md).
+        self.job.runtime.note(opt_step=optimizer_steps(trainer.optimizers[0]) if trainer.optimizers else None)
         self.job.runtime.end_step(step_extra(self.job))
         if self.job.should_stop():
             self._save(trainer, step)

@@ -32,6 +32,7 @@ from trainer_agent.runtime.steps import (
     MemorySink,
     StepSink,
     TrainerRuntime,
+    optimizer_steps,
 )
 
 _EARLY: list[str] = []
@@ -71,5 +72,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CONTROL_CHECKPOINT_AND_STOP", "CONTROL_RESIZE", "GATHERED_FIELDS", "RECORD_FORMAT", "ControlCommand",
-    "ControlFile", "JsonlFileSink", "MemorySink", "StepSink", "TrainerRuntime", "early_signals", *_LAZY,
+    "ControlFile", "JsonlFileSink", "MemorySink", "StepSink", "TrainerRuntime", "early_signals", "optimizer_steps",
+    *_LAZY,
 ]

@@ -49,6 +49,19 @@ def _int(env: Mapping[str, str], name: str, default: int | None) -> int:
     return value
 
 
+def _fraction(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise JobEnvironmentError(f"{name}={raw!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise JobEnvironmentError(f"{name}={raw!r} is not a fraction in (0, 1]")
+    return value
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """The job as its environment describes it (identical on every rank but for the rank fields)."""
@@ -68,6 +81,8 @@ class JobSpec:
     device: str               # "cuda" or "cpu": what the node agent gave this rank
     integration: str          # "omni" or "signal"; "none" outside Omni
     under_omni: bool
+    calibration_steps: int = 0        # after a resize, ramp the learning rate up over this many steps
+    calibration_start: float = 0.1    # ... from this fraction of it
 
     @property
     def accum(self) -> int:
@@ -95,7 +110,8 @@ class JobSpec:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, global_batch: int | None = None,
                  micro_batch: int | None = None, total_steps: int | None = None, checkpoint_every: int | None = None,
-                 keep_checkpoints: int = 3, run_dir: str | Path | None = None) -> JobSpec:
+                 keep_checkpoints: int = 3, run_dir: str | Path | None = None,
+                 calibration_steps: int = 0) -> JobSpec:
         """Read the environment; the keyword arguments are the defaults used outside Omni."""
         env = os.environ if env is None else env
         world = _int(env, "WORLD_SIZE", 1) or 1
@@ -123,6 +139,8 @@ class JobSpec:
             run_dir=Path(root), checkpoint_dir=Path(checkpoints),
             device=env.get("OMNI_DEVICE") or "auto", integration=env.get("OMNI_INTEGRATION", "none"),
             under_omni="OMNI_JOB" in env,
+            calibration_steps=_int(env, "OMNI_CALIBRATION_STEPS", calibration_steps),
+            calibration_start=_fraction(env, "OMNI_CALIBRATION_START", 0.1),
         )
 
 
@@ -139,6 +157,7 @@ class Job:
         self.runtime = runtime
         self._exit_written = False
         self._noted_checkpoint: tuple[int, str] | None = None
+        self._calibration_from: int | None = None  # the first step after a resize, when ramping
 
     # the job's shape, read-only -------------------------------------------------------------
 
@@ -206,7 +225,39 @@ class Job:
         checkpointer.on_load = self._resumed
         return checkpointer
 
+    # the post-resize calibration ramp -------------------------------------------------------------
+
+    def lr_factor(self, step: int) -> float:
+        """The learning-rate multiplier at ``step``: after a resume at another DP (a resize), a
+        linear ramp from ``calibration_start`` to 1 over ``calibration_steps`` steps; else 1.
+        Under Omni the ramp is on (5 steps from 10%: ``OMNI_CALIBRATION_STEPS``,
+        ``OMNI_CALIBRATION_START`` in the job's env change it; 0 steps turns it off)."""
+        first, steps = self._calibration_from, self.spec.calibration_steps
+        if first is None or steps <= 0 or step < first or step >= first + steps:
+            return 1.0
+        start = self.spec.calibration_start
+        return start + (1.0 - start) * (step - first) / steps
+
+    @contextmanager
+    def calibrated(self, optimizer: Any, step: int) -> Iterator[float]:
+        """Around ``optimizer.step()``: every group's learning rate times ``lr_factor(step)``, put
+        back after (so an LR scheduler's own state is untouched)."""
+        factor = self.lr_factor(step)
+        if factor == 1.0:
+            yield factor
+            return
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        try:
+            yield factor
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved, strict=True):
+                group["lr"] = lr
+
     def _resumed(self, step: int, previous_dp: int | None) -> None:
+        if previous_dp is not None and previous_dp != self.spec.dp:
+            self._calibration_from = step + 1
         if not self.is_leader:
             return
         self.forget_steps_after(step)
@@ -314,7 +365,8 @@ def _join_process_group(spec: JobSpec, timeout_s: float) -> None:
 
 def init(*, global_batch: int | None = None, micro_batch: int | None = None, total_steps: int | None = None,
          checkpoint_every: int | None = None, keep_checkpoints: int = 3, run_dir: str | Path | None = None,
-         process_group: bool = True, timeout_s: float = 300.0, env: Mapping[str, str] | None = None) -> Job:
+         process_group: bool = True, timeout_s: float = 300.0, env: Mapping[str, str] | None = None,
+         calibration_steps: int = 0) -> Job:
     """Read the job's environment and join its process group; return the ``Job``.
 
     Under Omni every value comes from the environment; the keywords are the defaults for running
@@ -325,7 +377,8 @@ def init(*, global_batch: int | None = None, micro_batch: int | None = None, tot
 
     try:
         spec = JobSpec.from_env(env, global_batch=global_batch, micro_batch=micro_batch, total_steps=total_steps,
-                                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, run_dir=run_dir)
+                                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, run_dir=run_dir,
+                                calibration_steps=calibration_steps)
     except JobEnvironmentError as exc:
         print(f"omni: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

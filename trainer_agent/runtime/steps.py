@@ -136,6 +136,19 @@ class _StepState:
     loss_tokens: float = 0.0
     tokens: dict[str, int] = field(default_factory=lambda: {"image": 0, "video": 0, "text": 0})
     samples: dict[str, int] = field(default_factory=lambda: {"image": 0, "video": 0})
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def optimizer_steps(optimizer: Any) -> int | None:
+    """How many steps ``optimizer`` has taken, from its own state (Adam-family optimizers keep a
+    ``step`` per parameter, restored with a checkpoint); ``None`` when it keeps no such count."""
+    state = getattr(optimizer, "state", None)
+    for group in getattr(optimizer, "param_groups", ()):
+        for param in group.get("params", ()):
+            value = state.get(param, {}).get("step") if state is not None else None
+            if value is not None:
+                return int(value.item() if hasattr(value, "item") else value)
+    return None
 
 
 GATHERED_FIELDS = (
@@ -274,6 +287,14 @@ class TrainerRuntime:
         self._state.samples["image"] += image_samples
         self._state.samples["video"] += video_samples
 
+    def note(self, **fields: Any) -> None:
+        """Add fields to the current step's record (rank 0's values are the ones kept): e.g.
+        ``opt_step`` (the optimizer's own step count, ``optimizer_steps(optimizer)``) and
+        ``data_pos`` (samples drawn through this step), which the control plane checks for
+        continuity after a resize or a resume (docs/rhythm.md)."""
+        if self._state is not None:
+            self._state.notes.update({k: v for k, v in fields.items() if v is not None})
+
     def add_loss(self, loss_sum: float, loss_tokens: float) -> None:
         """Add this rank's summed token loss and token count; the step loss is sum / tokens over all ranks."""
         if self._state is not None:
@@ -311,6 +332,7 @@ class TrainerRuntime:
         record["loss"] = loss_sum / loss_tokens if loss_tokens else float("nan")
         if extra:
             record.update(extra)
+        record.update(state.notes)
         if self.enabled:
             rank_compute = columns["compute_s"]
             mean_compute = sum(rank_compute) / len(rank_compute)
