@@ -366,7 +366,9 @@ class RhythmState:
         self.next_idle = None
         if step > due:
             return  # steps were skipped (a resume): nothing to score
-        seen = [g for g in self.gaps if g.kind == pending["kind"] and g.step == pending["after_step"]]
+        # The window is the GPUs off the step loop: a pause predicted where a checkpoint fell came too.
+        stall = pending["kind"] == "data_stall"
+        seen = [g for g in self.gaps if (g.kind == "data_stall") == stall and g.step == pending["after_step"]]
         error = 1.0 if not seen else min(1.0, abs(seen[-1].duration_s - pending["duration_s"]) / seen[-1].duration_s)
         self.idle_errors = (self.idle_errors + [error])[-ERRORS:]
 
