@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jobs.planner import quota
 from jobs.planner.decisions import Action, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.faults import continue_on_survivors, surviving_replicas
@@ -33,6 +34,7 @@ from jobs.planner.wording import (
     plural,
     replica_count,
     returning_sentence,
+    upper_first,
 )
 
 if TYPE_CHECKING:
@@ -88,7 +90,10 @@ def admit_waiting(state: PlanningPass) -> None:
                             f"one opens at {state._when(t)}.",
                             reservation=dormant.name, next_start_s=None if t == INFINITY else t)
                 continue
-            waiting.append((queue_key(job, state.now, state.config, state._tier(job)), job))
+            key = queue_key(job, state.now, state.config, state._tier(job))
+            if state.teams:  # within a class: a team within its quota first, then the least past usage
+                key = key[:3] + quota.queue_rank(state, job) + key[3:]
+            waiting.append((key, job))
     waiting.sort(key=lambda kv: kv[0])
     for _, job in waiting:
         state._admit(job)
@@ -100,8 +105,20 @@ def admit(state: PlanningPass, job: Job) -> None:
     dps = [d for d in reversed(valid_dps(job)) if d <= job.dp]
     if not dps:
         dps = list(reversed(valid_dps(job)))
+    if state.teams and job.team is not None and job.phase != "recovering":
+        # Rule 9: no bigger than its team (and the team's parents) may still hold.
+        cap = quota.size_cap(state, job)
+        allowed = [d for d in dps if d * rep <= cap]
+        if not allowed:
+            state._hold(job, "team_limit",
+                        f"{upper_first(state.teams.limit_words(job.team))}: it needs {gpu_shape(job.tp, job.pp, dps[-1])} "
+                        "at least, so it waits until the team's own jobs give GPUs back.",
+                        team=job.team, gpus_min=dps[-1] * rep, gpus_allowed=int(min(cap, 1 << 30)))
+            return
+        dps = allowed
     preferred = dps[0]
     rank = effective_rank(job, state.now, state.config)
+    reclaims = quota.may_reclaim(state, job, dps[-1] * rep)
     if not job.holdings and job.phase != "recovering" and not job.parked:
         # Cheapest test first, for long queues: fewer GPUs free anywhere than the job's
         # smallest size, nothing coming back, and no way to take GPUs from others.
@@ -121,7 +138,8 @@ def admit(state: PlanningPass, job: Job) -> None:
         if blocked and not state._entitled_now(job):
             aged = job.priority == "regular" and is_aged(job, state.now, state.config)
             key = (PRIORITY_RANK[job.priority], rank, False, aged)
-            if rank >= PRIORITY_RANK["best_effort"] or state.victim_failed_at.get(key, 1 << 30) <= dps[-1] * rep:
+            if not reclaims and (rank >= PRIORITY_RANK["best_effort"]
+                                 or state.victim_failed_at.get(key, 1 << 30) <= dps[-1] * rep):
                 hold_queue_full(state, job, preferred, rep, groups * job.tp, rank)
                 return
     recovering = job.phase == "recovering" or (bool(job.holdings) and any(
@@ -145,7 +163,8 @@ def admit(state: PlanningPass, job: Job) -> None:
                 and not any(state.soon_free.get(z, 0) for z in zones_min)):
             aged = job.priority == "regular" and is_aged(job, state.now, state.config)
             key = (PRIORITY_RANK[job.priority], rank, False, aged)
-            if rank >= PRIORITY_RANK["best_effort"] or state.victim_failed_at.get(key, 1 << 30) <= smallest_need:
+            if not reclaims and (rank >= PRIORITY_RANK["best_effort"]
+                                 or state.victim_failed_at.get(key, 1 << 30) <= smallest_need):
                 hold_for_capacity(state, job, preferred, rep,
                                   state._free_total(state._zones_for(job, preferred)), rank)
                 return
@@ -176,6 +195,14 @@ def admit(state: PlanningPass, job: Job) -> None:
         state._hold(job, "waiting_for_release", returning_sentence(need - free_total, names, job.tp, job.pp, wait_dp),
                     gpus_needed=need, gpus_free=free_total, gpus_returning=soon)
         return
+    # (c') A team below its quota takes back what other teams borrowed (rule 9), at the largest
+    # size its quota covers, with the loan mechanics (lead time, checkpoint first).
+    if reclaims and not recovering:
+        headroom = state.teams.below_quota_by(job.team)
+        within = [d for d in dps if d * rep <= headroom]
+        if within and state._try_victims(job, within[0], state._zones_for(job, within[0]), rank, False, kind,
+                                         entitled, quota=True):
+            return
     # (d) Critical work takes GPUs from cheaper victims at its preferred size (rule 4);
     # (e) others first start smaller on what is free (they grow later), and only then take
     # GPUs from victims, for their smallest batch-exact size.
@@ -265,6 +292,8 @@ def capacity_sentence(state: PlanningPass, job: Job, preferred: int, free: int, 
     if holders:
         text += f", the others are held by {join_words(holders)}"
     parts = [text, *notes, *low_disk_notes(state, job)[0]]
+    if state.teams and job.team in state.teams.teams:
+        parts.append(state.teams.standing_words(job.team) + ("; none are idle" if free < min_need else ""))
     if rank >= PRIORITY_RANK["best_effort"]:
         parts.append("best-effort jobs never take GPUs from others")
     else:

@@ -48,6 +48,8 @@ class PlannerConfig:
     #: The free runs-dir space under which a node takes no new work. The snapshot's builder
     #: applies it (``Node.low_disk``); the planner only names it in its sentences.
     min_free_disk_bytes: int = 2 * 1024**3
+    #: Teams' past usage decays with this half-life for fair share among borrowers (a week).
+    fair_share_half_life_s: float = 604800.0
 
     def with_overrides(self, overrides: dict[str, Any]) -> PlannerConfig:
         """A copy with scenario ``policy`` keys applied."""

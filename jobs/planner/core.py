@@ -16,6 +16,10 @@ docs/planner.md); this module only orchestrates:
    it pays;
 6. growth (rule 5; ``growth``): elastic jobs grow into GPUs nobody waits for, with hysteresis.
 
+Teams (rule 9; ``quota``) run through the queue and growth: the order within a class, the
+borrowing limit on every start and growth, and reclaiming what others borrowed for a team below
+its quota (through ``victims``, with the loan mechanics).
+
 The rule modules call back into the pass for what every rule shares: issuing an action
 (``_emit``, ``_hold``), the wake-up time, free-GPU bookkeeping, and the zones a job may use.
 Each rule is bound to the pass as a method too. The simulator's ``static`` baseline
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from jobs.planner import admission, drains, faults, growth, harvest, victims
 from jobs.planner.admission import TIER_OTHER
@@ -37,6 +42,7 @@ from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.harvest import PoolState
 from jobs.planner.layout import accum_steps, fit_problems
+from jobs.planner.quota import TeamBook
 from jobs.planner.snapshot import (
     PLACEABLE_HEALTH,
     TERMINAL_PHASES,
@@ -54,6 +60,17 @@ __all__ = ["TIER_OTHER", "PlanningPass", "plan"]
 
 INFINITY = math.inf
 RELEASING_COMMANDS = frozenset({"preempt", "reclaim"})
+
+
+def team_reservation_owner(res: Reservation, jobs: dict[str, Job]) -> Reservation:
+    """A team's reservation with its job resolved: the team's earliest-submitted critical job
+    still to run (none: ``job`` stays empty, and the pool is lent with no owner to give it to)."""
+    if not res.team:
+        return res
+    owners = [j for j in jobs.values() if j.team == res.team and j.priority == "critical"]
+    if not owners:
+        return replace(res, job="")
+    return replace(res, job=min(owners, key=lambda j: (j.submit_s, j.name)).name)
 
 
 def plan(snapshot: Snapshot, now_s: float, config: PlannerConfig | None = None) -> Plan:
@@ -78,7 +95,9 @@ class PlanningPass:
         # Up nodes that take no new work for lack of disk: hold sentences name them.
         self.low_disk_nodes = sorted((n for n in snapshot.nodes if n.low_disk and n.health in PLACEABLE_HEALTH),
                                      key=lambda n: n.name)
-        self.reservations: list[Reservation] = sorted(snapshot.reservations, key=lambda r: r.name)
+        self.reservations: list[Reservation] = [
+            team_reservation_owner(r, self.jobs) for r in sorted(snapshot.reservations, key=lambda r: r.name)
+        ]
         self.res_of_job: dict[str, list[Reservation]] = {}
         for res in self.reservations:
             self.res_of_job.setdefault(res.job, []).append(res)
@@ -108,6 +127,8 @@ class PlanningPass:
         for job in self.jobs.values():
             if job.holdings:
                 self.holders[job.priority] = self.holders.get(job.priority, 0) + 1
+        # Teams: quotas, borrowing limits, fair share (rule 9), kept current by ``_emit``.
+        self.teams = TeamBook(snapshot.teams, self.jobs.values())
         self._node_gpus: tuple[int, ...] | None = None
         self._fit_cache: dict[tuple[int, int, int], dict[str, str]] = {}
         # Per-pass caches kept by the rule modules (victims, admission, harvest, _zones_for).
@@ -161,6 +182,8 @@ class PlanningPass:
         self.actions.append(action)
         if kind != "hold":
             self.acted.add(job.name)
+            if self.teams and job.team is not None:
+                self.teams.add(job.team, len(gpus_after) - len(job.holdings))
             if bool(job.holdings) != bool(gpus_after) and (gpus_after or not graceful):
                 self.holders[job.priority] = self.holders.get(job.priority, 0) + (1 if gpus_after else -1)
             new = [g for g in gpus_after if self.view.owner.get(g) != job.name]

@@ -2,7 +2,8 @@
 
 Only after ``resize_hysteresis_s`` since its last resize or start, only when no job of equal
 or higher class was held for capacity in this pass, only to a batch-exact DP (the global batch
-never changes: accumulation is recomputed, see ``layout``), and only when the predicted saving
+never changes: accumulation is recomputed, see ``layout``), within its team's borrowing limit
+(rule 9), and only when the predicted saving
 over the remaining run beats ``grow_gain_factor`` x (step + save + load). GPUs borrowed from a
 pool make it a ``lend`` that ends when the pool needs them. Reasons carry the rule name
 ``resize``. A signal-mode job never grows: it is not elastic.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from jobs.planner.decisions import Reason
 from jobs.planner.layout import accum_steps, batch_divides
+from jobs.planner.quota import size_cap
 from jobs.planner.rhythm import predict, step_time_at
 from jobs.planner.snapshot import PRIORITY_RANK
 from jobs.planner.topology import choose_gpus, spread_of
@@ -48,8 +50,9 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
         cand = state.view.candidates(zones)
         anchor = sorted({g.node for g in job.gpus})
         p = predict(job, state.config)
+        cap = size_cap(state, job)  # rule 9: its team's borrowing limit
         for target in range(job.dp_max, d, -1):
-            if not batch_divides(job, target):
+            if not batch_divides(job, target) or target * job.tp * job.pp > cap:
                 continue
             if (target - d) * job.tp * job.pp > free:
                 continue

@@ -169,6 +169,8 @@ class Job:
     parked: tuple[Gpu, ...] = ()
     integration: str = "omni"
     grace_s: float = 30.0
+    #: The team it belongs to (``Snapshot.teams``); ``None``: no quota, it only borrows.
+    team: str | None = None
 
     @property
     def signal(self) -> bool:
@@ -197,13 +199,35 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
+class Team:
+    """Who shares the cluster: a guaranteed quota of GPUs, how many more it may borrow while
+    others' are idle (``None``: no limit), its weight among borrowers, and its past usage.
+
+    ``usage_gpu_s`` is the team's GPU-seconds decayed with the policy's
+    ``fair_share_half_life_s`` up to the snapshot's instant (``quota.decayed``; the snapshot's
+    builder keeps it). ``parent`` names the enclosing team (an organisation): a child's jobs
+    count against its parent's quota and borrowing limit too.
+    """
+
+    name: str
+    parent: str | None = None
+    quota_gpus: int = 0
+    borrow_limit_gpus: int | None = None
+    weight: float = 1.0
+    usage_gpu_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
-    """Guaranteed capacity for one critical job.
+    """Guaranteed capacity for one critical job, or for a team's critical jobs.
 
     Active from ``start_s`` to ``end_s`` (``None``: open-ended); if ``period_s`` is set, only
     for the first ``active_s`` of every ``period_s`` from ``start_s``. ``nodes`` is the pool
     of machines that holds its ``gpus`` plus ``spares`` (chosen by the operator, or by the
     simulator's loader); an empty pool means the guarantee is met from general capacity.
+    A team's reservation (``team`` set, ``job`` empty) guarantees its GPUs to whichever of the
+    team's critical jobs is runnable, the earliest submitted first (the pass resolves it), and
+    outlives any one of them.
     """
 
     name: str
@@ -215,6 +239,7 @@ class Reservation:
     period_s: float | None = None
     active_s: float | None = None
     nodes: tuple[str, ...] = ()
+    team: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +267,7 @@ class Snapshot:
     reservations: tuple[Reservation, ...] = ()
     commands: tuple[Command, ...] = ()
     paused: bool = False
+    teams: tuple[Team, ...] = ()
 
 
 # --- serialization ---------------------------------------------------------------------------
@@ -324,4 +350,5 @@ def snapshot_from_dict(d: dict[str, Any]) -> Snapshot:
             for c in d.get("commands", ())
         ),
         paused=bool(d.get("paused", False)),
+        teams=tuple(Team(**t) for t in d.get("teams", ())),
     )

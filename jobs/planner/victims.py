@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of
+from jobs.planner.quota import reclaim_candidates, reclaim_words
 from jobs.planner.rhythm import predict, stop_time_s
 from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job
 from jobs.planner.starvation import is_aged, protected_by_min_run, waited_s
@@ -126,6 +127,7 @@ def choose_victims(
     drop_first: Callable[[tuple[Gpu, ...]], bool] | None = None,
     fits_split: Callable[[list[Gpu], tuple[Gpu, ...]], bool] | None = None,
     now_s: float | None = None,
+    allow: Callable[[VictimOption, list[VictimOption]], bool] | None = None,
 ) -> list[VictimOption] | None:
     """The cheapest set of victim options after which ``fits(freed)`` holds, or None.
 
@@ -136,11 +138,16 @@ def choose_victims(
     ``candidates`` must already be filtered for class and ``min_run_s`` and sorted with
     ``victim_sort_key``; it may be a lazy iterator (it is consumed only as far as needed). For each candidate in turn the smallest option that completes the
     need is taken; otherwise its largest shrink (or its preemption if it cannot shrink).
+    ``allow(option, chosen)``, when given, vetoes options (a team's GPUs beyond its quota only).
     """
     chosen: list[VictimOption] = []
     freed: list[Gpu] = []
     for job in candidates:
         options = victim_options(job, config, floor_dp(job), drop_first, now_s)
+        if allow is not None:
+            options = [o for o in options if allow(o, chosen)]
+            if not options:
+                continue
         for opt in options:
             if fits_split(freed, opt.freed) if fits_split is not None else fits(freed + list(opt.freed)):
                 chosen.append(opt)
@@ -183,16 +190,21 @@ def take_from_victims(
     forced: bool,
     kind: str,
     entitled: bool,
+    quota: bool = False,
 ) -> bool:
     """Make room for ``job`` at ``dp`` in ``zones`` by shrinking or stopping cheaper jobs.
 
     True when victims were found: the job then waits for their GPUs (or, in kill mode, starts
     on them at once). Failures are remembered per (class, standing, forced, aged) and size.
+    With ``quota`` (rule 9) the victims are what other teams hold beyond their quotas, of the
+    job's class or lower (``quota.reclaim_candidates``), never more than each team's excess.
     """
     aged = job.priority == "regular" and is_aged(job, state.now, state.config)
-    if rank >= PRIORITY_RANK["best_effort"] and not forced:
+    if rank >= PRIORITY_RANK["best_effort"] and not forced and not quota:
         return False
-    key = (PRIORITY_RANK[job.priority], rank, forced, aged)
+    key: tuple = (PRIORITY_RANK[job.priority], rank, forced, aged)
+    if quota:
+        key = ("quota", job.team, PRIORITY_RANK[job.priority])
     need = dp * job.tp * job.pp
     if state.victim_failed_at.get(key, 1 << 30) <= need:
         return False
@@ -284,15 +296,31 @@ def take_from_victims(
     def fits(freed: list[Gpu]) -> bool:
         return fits_split([], freed)
 
-    options = choose_victims(candidates(), fits, state.config, floor_dp=lambda j: floors.get(j.name),
-                             fits_split=fits_split, now_s=state.now)
+    allow = None
+    if quota:
+        book = state.teams
+
+        def quota_candidates() -> Iterator[Job]:
+            for entry in reclaim_candidates(state, job, islice(victim_pool(state), state._victims_head, None)):
+                if not zone_set.isdisjoint(entry.zones):
+                    yield entry.job
+
+        def allow(opt: VictimOption, chosen: list[VictimOption]) -> bool:
+            # Never more from a team than it holds beyond its quota (nor beyond a parent's).
+            taken = sum(len(o.freed) for o in chosen if book.related(o.job.team, opt.job.team)
+                        or (o.job.team is None and opt.job.team is None))
+            return len(opt.freed) + taken <= book.reclaimable(opt.job)
+
+    options = choose_victims(quota_candidates() if quota else candidates(), fits, state.config,
+                             floor_dp=lambda j: floors.get(j.name), fits_split=fits_split, now_s=state.now,
+                             allow=allow)
     if options is None:
         state.victim_failed_at[key] = min(need, state.victim_failed_at.get(key, 1 << 30))
         return False
     names = []
     for opt in options:
         names.append(opt.job.name)
-        emit_victim(state, opt, job, forced, aged)
+        emit_victim(state, opt, job, forced, aged, quota=quota)
     if state.kill:
         return state._try_place(job, dp, 0, [], [], kind, entitled)
     soon_gpus = sum(len(o.freed) for o in options)
@@ -347,7 +375,8 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
     return entries
 
 
-def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: bool, aged: bool) -> None:
+def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: bool, aged: bool,
+                quota: bool = False) -> None:
     """Issue the shrink or preemption ``opt`` describes, saying whom it makes room for."""
     job = opt.job
     p = predict(job, state.config)
@@ -368,6 +397,12 @@ def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: 
            f"{', waiting ' + duration_words(waited_s(requester, state.now)) if aged else ''}) needs GPUs")
     deadline = state.now + stop_time_s(job, state.config, p) + state.config.reclaim_margin_s
     rule = "victims" if not aged or PRIORITY_RANK[job.priority] > 1 else "starvation"
+    if quota:
+        rule = "quota.reclaim"
+        why = f"{requester.name} needs GPUs: {reclaim_words(state, requester, job)}"
+        inputs.update(for_team=requester.team, victim_team=job.team,
+                      lead_time_s=round(deadline - state.now, 3),
+                      predicted_stop_s=round(p.mean_step_s + p.save_s, 3) if not job.signal else job.grace_s)
     if opt.is_shrink:
         d_after = len(opt.kept) // (job.tp * job.pp)
         text = (f"{why}; this {job.priority} job gives back {len(opt.freed)} GPUs by shrinking from dp "

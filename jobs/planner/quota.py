@@ -1,0 +1,228 @@
+"""Rule 9, teams: guaranteed quotas, borrowing limits and time-aware fair share.
+
+Every job may belong to a team (``Job.team``); a team has a guaranteed ``quota_gpus``, a
+``borrow_limit_gpus`` beyond it (``None``: any idle GPU) and a ``weight``, and may sit inside a
+parent (an organisation) whose quota and limit its jobs count against too. A team holding more
+than its quota is *borrowing*; what it borrows is idle capacity of the others and is given back
+when a team below its quota has waiting work:
+
+- **Order.** Within a priority class (and after entitled, recovering and critical work), a job
+  whose team stays within its quota by starting comes first; among the rest, the team with the
+  least past usage per weight (``usage_gpu_s / weight``, decayed with
+  ``fair_share_half_life_s``) first. So idle GPUs go to the team that has had least of late.
+- **Limit.** A job starts or grows only to what its team (and every ancestor) may still use:
+  quota + borrowing limit - what it holds. Beyond that it waits, saying so.
+- **Reclaim.** A waiting job whose team is below its quota, and stays within it at the size it
+  asks, takes GPUs from jobs of teams above their quota (never more than each holds above it),
+  of its class or lower: the borrower with most past usage per weight first, then the victim
+  order of rule 4 (cheapest to stop). Exactly the loan mechanics: a graceful shrink or
+  preemption with the reclaim lead time, checkpoint first, its reason in words; the minimum-run
+  guarantee still protects a recent start.
+
+``TeamBook`` is the pass's ledger: GPUs held per team (kept current as actions are emitted) and
+the sentences. ``decayed`` and ``accrue`` are the fair-share arithmetic the snapshot builders
+(the simulator, jobs/snapshot.py) use to keep ``Team.usage_gpu_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from jobs.planner.snapshot import PRIORITY_RANK, Job, Team
+from jobs.planner.wording import plural
+
+if TYPE_CHECKING:
+    from jobs.planner.core import PlanningPass
+
+INFINITY = math.inf
+
+
+def decayed(usage_gpu_s: float, dt_s: float, half_life_s: float) -> float:
+    """``usage_gpu_s`` as it stands ``dt_s`` later with nothing added."""
+    if half_life_s <= 0 or dt_s <= 0:
+        return usage_gpu_s if half_life_s > 0 else 0.0
+    return usage_gpu_s * 0.5 ** (dt_s / half_life_s)
+
+
+def accrue(usage_gpu_s: float, gpus: float, dt_s: float, half_life_s: float) -> float:
+    """Decayed usage after holding ``gpus`` for ``dt_s`` more seconds (exact for a constant hold)."""
+    if dt_s <= 0:
+        return usage_gpu_s
+    if half_life_s <= 0:
+        return gpus * dt_s
+    rate = math.log(2) / half_life_s
+    return decayed(usage_gpu_s, dt_s, half_life_s) + gpus * (1.0 - math.exp(-rate * dt_s)) / rate
+
+
+class TeamBook:
+    """The teams of one pass and the GPUs each holds, its descendants' included."""
+
+    def __init__(self, teams: Iterable[Team], jobs: Iterable[Job]) -> None:
+        self.teams: dict[str, Team] = {t.name: t for t in teams}
+        self.held: dict[str, int] = dict.fromkeys(self.teams, 0)
+        self.unteamed = 0  # GPUs held by jobs of no team (which only borrow)
+        for job in jobs:
+            if job.holdings:
+                self.add(job.team, len(job.holdings))
+
+    def __bool__(self) -> bool:
+        return bool(self.teams)
+
+    def chain(self, team: str | None) -> list[Team]:
+        """The team and its ancestors, innermost first (a cycle or an unknown name ends it)."""
+        out: list[Team] = []
+        seen: set[str] = set()
+        while team is not None and team in self.teams and team not in seen:
+            seen.add(team)
+            out.append(self.teams[team])
+            team = self.teams[team].parent
+        return out
+
+    def add(self, team: str | None, gpus: int) -> None:
+        """``gpus`` more (or fewer) held by ``team`` and so by its ancestors."""
+        if team is None or team not in self.teams:
+            self.unteamed += gpus
+            return
+        for t in self.chain(team):
+            self.held[t.name] = self.held.get(t.name, 0) + gpus
+
+    # -- what a team may have -------------------------------------------------------------------
+
+    def below_quota_by(self, team: str | None) -> int:
+        """GPUs the team may still take within its guarantee: the least headroom along its chain
+        (0 for no team, or one already at or above its quota)."""
+        chain = self.chain(team)
+        if not chain:
+            return 0
+        return max(0, min(t.quota_gpus - self.held.get(t.name, 0) for t in chain))
+
+    def may_use(self, team: str | None) -> float:
+        """GPUs the team may take now in all: quota + borrowing limit - held, the least along its
+        chain (``inf`` with no limit anywhere, or for no team)."""
+        room = INFINITY
+        for t in self.chain(team):
+            if t.borrow_limit_gpus is not None:
+                room = min(room, t.quota_gpus + t.borrow_limit_gpus - self.held.get(t.name, 0))
+        return max(0.0, room)
+
+    def above_quota_by(self, team: str | None) -> int:
+        """GPUs the team holds beyond its own quota (what may be reclaimed from it; 0 for no
+        team is *not* protected: see ``reclaimable``)."""
+        if team is None or team not in self.teams:
+            return 0
+        t = self.teams[team]
+        return max(0, self.held.get(team, 0) - t.quota_gpus)
+
+    def reclaimable(self, job: Job) -> float:
+        """How many of ``job``'s GPUs a team below its quota may take back: its team's excess
+        over quota (the least along the chain: a parent within its own quota protects its
+        children's borrowing from outside it only as far as the parent is over); all of them for
+        a job of no team, which has no quota and only borrows."""
+        chain = self.chain(job.team)
+        if not chain:
+            return INFINITY
+        return min(max(0, self.held.get(t.name, 0) - t.quota_gpus) for t in chain)
+
+    def anyone_borrowing(self) -> bool:
+        """Whether any GPUs are held beyond a quota (or by jobs of no team)."""
+        return self.unteamed > 0 or any(self.held.get(n, 0) > t.quota_gpus for n, t in self.teams.items())
+
+    def fair_share(self, team: str | None) -> float:
+        """Past usage per weight: lower is owed more of the idle GPUs (no team: last)."""
+        t = self.teams.get(team) if team is not None else None
+        if t is None:
+            return INFINITY
+        return t.usage_gpu_s / max(t.weight, 1e-9)
+
+    def related(self, a: str | None, b: str | None) -> bool:
+        """Whether two teams are one, or one encloses the other (reclaim never runs between them)."""
+        if a is None or b is None:
+            return False
+        return any(t.name == b for t in self.chain(a)) or any(t.name == a for t in self.chain(b))
+
+    # -- words ----------------------------------------------------------------------------------
+
+    def standing_words(self, team: str) -> str:
+        """``team vision uses 96 of its 96 guaranteed GPUs and may borrow up to 32 more``."""
+        t = self.teams[team]
+        held = self.held.get(team, 0)
+        text = f"team {team} uses {held} of its {t.quota_gpus} guaranteed GPUs"
+        if t.borrow_limit_gpus is None:
+            text += " and may borrow any idle GPU beyond them"
+        elif t.borrow_limit_gpus == 0:
+            text += " and may not borrow beyond them"
+        else:
+            text += f" and may borrow up to {t.borrow_limit_gpus} more"
+        return text
+
+    def limit_words(self, team: str | None) -> str:
+        """Why a job of ``team`` can take no more: the first team of its chain at its limit."""
+        for t in self.chain(team):
+            if t.borrow_limit_gpus is not None and \
+                    self.held.get(t.name, 0) >= t.quota_gpus + t.borrow_limit_gpus:
+                return self.standing_words(t.name) + "; it has reached that limit"
+        chain = self.chain(team)
+        return self.standing_words(chain[0].name) if chain else ""
+
+
+def queue_rank(state: PlanningPass, job: Job) -> tuple[int, float]:
+    """Where a waiting job stands among its class: (0 when its team stays within its quota by
+    starting at its smallest size, else 1; its team's fair share)."""
+    book = state.teams
+    if not book:
+        return (0, 0.0)
+    need = job.dp_min * job.tp * job.pp
+    within = job.team is not None and book.below_quota_by(job.team) >= need
+    return (0 if within else 1, book.fair_share(job.team))
+
+
+def may_reclaim(state: PlanningPass, job: Job, need: int) -> bool:
+    """Whether ``job`` may take back borrowed GPUs: its team is below its quota by at least
+    ``need`` (its smallest size) and some GPUs are held beyond a quota."""
+    book = state.teams
+    return bool(book) and job.team is not None and book.below_quota_by(job.team) >= need and book.anyone_borrowing()
+
+
+def size_cap(state: PlanningPass, job: Job) -> float:
+    """The most GPUs ``job`` may hold now, its team's borrowing limit allowing."""
+    book = state.teams
+    if not book or job.team is None:
+        return INFINITY
+    return len(job.holdings) + book.may_use(job.team)
+
+
+def reclaim_candidates(state: PlanningPass, job: Job, entries: Iterable) -> list:
+    """Victim entries a job within its team's quota may take GPUs from: running jobs of its class
+    or lower, of teams holding more than their quota (or of no team), unrelated to its own, not
+    protected by their minimum run; the borrower with most past usage per weight first, then
+    the victim order."""
+    book = state.teams
+    my_rank = PRIORITY_RANK[job.priority]
+    picked = []
+    for order, entry in enumerate(entries):
+        other = entry.job
+        if other.name == job.name or other.name in state.acted or entry.rank < my_rank or entry.protected:
+            continue
+        if book.related(job.team, other.team) or book.reclaimable(other) <= 0:
+            continue
+        picked.append((-book.fair_share(other.team) if other.team is not None else -INFINITY, order, entry))
+    picked.sort(key=lambda kv: (kv[0], kv[1]))
+    return [entry for _, _, entry in picked]
+
+
+def reclaim_words(state: PlanningPass, requester: Job, victim: Job) -> str:
+    """``team speech is below its quota (40 of 64 guaranteed GPUs) and reclaims the GPUs team
+    vision borrowed beyond its own``."""
+    book = state.teams
+    t = book.teams[requester.team] if requester.team in book.teams else None
+    mine = (f"team {requester.team} is below its quota ({book.held.get(requester.team, 0)} of "
+            f"{t.quota_gpus} guaranteed GPUs)" if t is not None else f"{requester.name} is within its quota")
+    if victim.team is None:
+        theirs = "this job belongs to no team, so it has no quota and only borrows"
+    else:
+        v = book.teams[victim.team]
+        theirs = (f"team {victim.team} holds {book.held.get(victim.team, 0)} GPUs, "
+                  f"{plural(book.held.get(victim.team, 0) - v.quota_gpus, 'GPU')} beyond its quota of {v.quota_gpus}")
+    return f"{mine} and reclaims the GPUs other teams borrowed: {theirs}"

@@ -1,0 +1,167 @@
+"""Rule 9, teams (jobs/planner/quota.py): a unit test per rule. Order within a class, the
+borrowing limit, reclaiming what other teams borrowed (checkpoint first, within each team's
+excess, never a recent start), fair share among borrowers, team reservations, and the words."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.planner import PlannerConfig, Reservation, plan
+from jobs.planner.quota import TeamBook, accrue, decayed
+from jobs.planner.snapshot import Snapshot, Team
+from tests.planner.factory import cluster, gpus_on, job
+
+NODES = cluster(switches=1, per_switch=4)  # 4 nodes x 8 GPUs
+ALL = [f"r0s0n{i}" for i in range(4)]
+
+
+def snap(jobs, teams, reservations=()) -> Snapshot:
+    return Snapshot(NODES, tuple(jobs), tuple(reservations), (), False, tuple(teams))
+
+
+def acts(result, kind=None):
+    return {a.job: a for a in result.actions if kind is None or a.kind == kind}
+
+
+def test_fair_share_usage_decays_with_its_half_life():
+    assert decayed(100.0, 3600.0, 3600.0) == pytest.approx(50.0)
+    # Holding 8 GPUs for one half-life from nothing: 8 x h / ln 2 x (1 - 1/2).
+    assert accrue(0.0, 8, 3600.0, 3600.0) == pytest.approx(8 * 3600 / 0.6931471805599453 * 0.5)
+    assert accrue(10.0, 0, 0.0, 3600.0) == 10.0
+
+
+def test_a_team_within_its_quota_is_served_before_a_borrower_of_the_same_class():
+    teams = [Team("vision", quota_gpus=16), Team("speech", quota_gpus=16)]
+    running = job("v-run", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision")
+    # vision already holds its 16; both want the last 8 GPUs (one node free after the borrower).
+    borrower = job("v-more", tp=8, dp=1, team="vision", submit_s=0.0)
+    owed = job("s-new", tp=8, dp=1, team="speech", submit_s=100.0)
+    other = job("filler", tp=8, dp=1, gpus=gpus_on("r0s0n3"), team="speech")
+    result = plan(snap([running, borrower, owed, other], teams), 1000.0)
+    placed = acts(result, "place")
+    assert "s-new" in placed and "v-more" not in placed  # the later arrival, owed its quota, goes first
+    hold = acts(result, "hold")["v-more"]
+    assert "team vision uses 16 of its 16 guaranteed GPUs and may borrow any idle GPU beyond them; none are idle" \
+        in hold.reason.text
+
+
+def test_among_borrowers_the_team_with_least_past_usage_per_weight_gets_idle_gpus_first():
+    teams = [Team("a", quota_gpus=0, usage_gpu_s=1000.0, weight=1.0),
+             Team("b", quota_gpus=0, usage_gpu_s=1500.0, weight=2.0)]  # 750 per weight: owed more
+    full = job("full", tp=8, dp=3, gpus=gpus_on(*ALL[:3]), team=None)
+    result = plan(snap([full, job("a1", tp=8, team="a", submit_s=0.0), job("b1", tp=8, team="b", submit_s=50.0)],
+                       teams), 1000.0)
+    assert set(acts(result, "place")) == {"b1"}
+
+
+def test_a_team_never_holds_more_than_its_quota_and_borrowing_limit():
+    teams = [Team("vision", quota_gpus=8, borrow_limit_gpus=8)]
+    running = job("v1", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision")
+    wants = job("v2", tp=8, dp=1, team="vision")
+    result = plan(snap([running, wants], teams), 1000.0)
+    hold = acts(result, "hold")["v2"]
+    assert hold.reason.inputs["cause"] == "team_limit"
+    assert hold.reason.text.startswith("Team vision uses 16 of its 8 guaranteed GPUs and may borrow up to 8 more; "
+                                       "it has reached that limit")
+    # An elastic job grows only up to the limit too.
+    grower = job("v-el", tp=8, dp=1, dp_min=1, dp_max=4, global_batch=64 * 4, gpus=gpus_on("r0s0n0"), team="vision",
+                 total_steps=10**6)
+    grown = acts(plan(snap([grower], teams), 10**5), "grow").get("v-el")
+    assert grown is not None and len(grown.gpus_after) == 16
+
+
+def test_a_parents_limit_binds_its_children():
+    teams = [Team("org", quota_gpus=16, borrow_limit_gpus=0), Team("a", parent="org", quota_gpus=16),
+             Team("b", parent="org", quota_gpus=16)]
+    result = plan(snap([job("a1", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="a"),
+                        job("b1", tp=8, team="b")], teams), 1000.0)
+    assert acts(result, "hold")["b1"].reason.inputs["cause"] == "team_limit"
+    assert acts(result, "hold")["b1"].reason.text.startswith(
+        "Team org uses 16 of its 16 guaranteed GPUs and may not borrow beyond them; it has reached that limit")
+
+
+def test_a_team_below_its_quota_reclaims_what_another_borrowed_checkpoint_first():
+    teams = [Team("vision", quota_gpus=8), Team("speech", quota_gpus=24)]
+    # vision borrows 24 beyond its 8 (elastic, 4 replicas of 8); speech wants 16 of its 24.
+    borrower = job("v-big", tp=8, dp=4, dp_min=1, dp_max=4, global_batch=64 * 4, gpus=gpus_on(*ALL),
+                   team="vision", run_started_s=0.0, min_run_s=0.0)
+    owed = job("s-new", tp=8, dp=2, team="speech", submit_s=500.0)
+    result = plan(snap([borrower, owed], teams), 10_000.0)
+    shrink = acts(result, "shrink")["v-big"]
+    assert len(shrink.gpus_after) == 16 and shrink.graceful and shrink.deadline_s is not None
+    assert shrink.reason.rule == "quota.reclaim"
+    assert shrink.reason.text.startswith("s-new needs GPUs: team speech is below its quota (0 of 24 guaranteed GPUs) "
+                                         "and reclaims the GPUs other teams borrowed: team vision holds 32 GPUs, "
+                                         "24 GPUs beyond its quota of 8")
+    assert shrink.reason.inputs["lead_time_s"] == pytest.approx(shrink.deadline_s - 10_000.0)
+    assert acts(result, "hold")["s-new"].reason.inputs["cause"] == "waiting_for_release"
+
+
+def test_reclaim_takes_no_more_than_a_team_holds_beyond_its_quota():
+    teams = [Team("vision", quota_gpus=24), Team("speech", quota_gpus=16)]
+    # vision is 8 over; speech wants 16: only 8 can be reclaimed, so it waits, taking nothing.
+    borrower = job("v-big", tp=8, dp=4, gpus=gpus_on(*ALL), team="vision", run_started_s=0.0, min_run_s=0.0)
+    result = plan(snap([borrower, job("s-new", tp=8, dp=2, team="speech", submit_s=9_000.0)], teams), 10_000.0)
+    assert not acts(result, "preempt") and not acts(result, "shrink")
+    assert acts(result, "hold")["s-new"].reason.inputs["cause"] == "capacity"
+
+
+def test_the_minimum_run_still_protects_a_recent_start_and_critical_work_is_never_reclaimed():
+    teams = [Team("vision", quota_gpus=0), Team("speech", quota_gpus=16)]
+    recent = job("v-recent", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision",
+                 run_started_s=9_000.0, min_run_s=7200.0)
+    crit = job("v-crit", "critical", tp=8, dp=2, gpus=gpus_on("r0s0n2", "r0s0n3"), team="vision")
+    result = plan(snap([recent, crit, job("s-new", tp=8, dp=2, team="speech")], teams), 10_000.0)
+    assert not acts(result, "preempt") and not acts(result, "shrink")
+
+
+def test_the_borrower_with_most_past_usage_per_weight_gives_back_first():
+    teams = [Team("a", quota_gpus=0, usage_gpu_s=9000.0), Team("b", quota_gpus=0, usage_gpu_s=1000.0),
+             Team("owed", quota_gpus=16)]
+    a = job("a1", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="a", run_started_s=0.0, min_run_s=0.0)
+    b = job("b1", tp=8, dp=2, gpus=gpus_on("r0s0n2", "r0s0n3"), team="b", run_started_s=0.0, min_run_s=0.0)
+    result = plan(snap([a, b, job("o1", tp=8, dp=2, team="owed")], teams), 10_000.0)
+    assert set(acts(result, "preempt")) == {"a1"}
+    assert acts(result, "preempt")["a1"].reason.text.endswith("and saves a checkpoint first.")
+
+
+def test_a_job_of_no_team_only_borrows():
+    teams = [Team("speech", quota_gpus=16)]
+    loose = job("loose", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), run_started_s=0.0, min_run_s=0.0)
+    rest = job("s-run", tp=8, dp=2, gpus=gpus_on("r0s0n2", "r0s0n3"), team="speech")
+    result = plan(snap([loose, rest, job("s-new", tp=8, dp=2, team="speech", submit_s=9_000.0)], teams), 10_000.0)
+    # speech already holds its 16: it is not below quota, so nothing is reclaimed for it.
+    assert not acts(result, "preempt")
+    result = plan(snap([loose, job("s-new", tp=8, dp=2, team="speech", submit_s=9_000.0),
+                        job("fill", tp=8, dp=2, gpus=gpus_on("r0s0n2", "r0s0n3"))], teams), 10_000.0)
+    assert set(acts(result, "preempt")) <= {"loose", "fill"} and acts(result, "preempt")
+    assert "this job belongs to no team, so it has no quota and only borrows" in \
+        next(iter(acts(result, "preempt").values())).reason.text
+
+
+def test_a_team_reservation_guarantees_its_earliest_runnable_critical_job_and_outlives_it():
+    teams = [Team("vision", quota_gpus=0)]
+    res = Reservation("vision-window", job="", team="vision", gpus=16, nodes=("r0s0n0", "r0s0n1"))
+    first = job("v-crit-1", "critical", tp=8, dp=2, team="vision", submit_s=10.0)
+    second = job("v-crit-2", "critical", tp=8, dp=2, team="vision", submit_s=20.0)
+    result = plan(snap([first, second], teams, [res]), 1000.0)
+    placed = acts(result, "place")
+    assert placed["v-crit-1"].reason.rule == "entitlement"
+    # The first completed: the reservation now guarantees the second.
+    done = job("v-crit-1", "critical", tp=8, dp=2, team="vision", submit_s=10.0, phase="completed")
+    result = plan(snap([done, second], teams, [res]), 2000.0)
+    assert acts(result, "place")["v-crit-2"].reason.rule == "entitlement"
+    # With no critical job of the team, the pool is lent like any other.
+    borrower = job("other", tp=8, dp=2)
+    result = plan(snap([done, borrower], teams, [res]), 3000.0)
+    assert "other" in {a.job for a in result.actions if a.kind in ("place", "lend")}
+
+
+def test_the_ledger_follows_the_pass_and_the_words_read_right():
+    book = TeamBook([Team("vision", quota_gpus=96, borrow_limit_gpus=32)], [])
+    book.add("vision", 96)
+    assert book.standing_words("vision") == "team vision uses 96 of its 96 guaranteed GPUs and may borrow up to 32 more"
+    assert book.below_quota_by("vision") == 0 and book.may_use("vision") == 32
+    book.add("vision", 40)
+    assert book.may_use("vision") == 0 and book.above_quota_by("vision") == 40
+    assert PlannerConfig().fair_share_half_life_s == 604800.0
