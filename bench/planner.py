@@ -8,7 +8,9 @@ per pod one active reservation with a hot spare and one future reservation lent 
 measured step times per running job). The 10,240-GPU case is ten such pods, 2,000 jobs. It times
 ``plan()`` several times (after one warm-up pass) and prints one JSON object with the median
 CPU milliseconds of one pass, ``ms_1024`` and ``ms_10240``, their ``ratio``, and the wall-clock
-medians. Targets: under 250 ms at 10,240 GPUs on one core, ratio under 12.
+medians; ``ms_10240_teams`` is the 10,240-GPU case shared by 50 teams (``with_teams``: quotas,
+borrowing limits, fair share), in the same run. Targets: under 250 ms at 10,240 GPUs on one
+core (with teams too), ratio under 12.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 
 from jobs.planner import (
     CheckpointSpec,
@@ -31,6 +34,7 @@ from jobs.planner import (
     Snapshot,
     plan,
 )
+from jobs.planner.snapshot import Team
 
 NOW_S = 1_764_460_800.0  # production clocks are Unix seconds
 
@@ -134,6 +138,26 @@ def build_snapshot(pods: int, seed: int = 0) -> Snapshot:
     return Snapshot(tuple(nodes), tuple(jobs), tuple(reservations))
 
 
+def with_teams(snapshot: Snapshot, teams: int = 50, seed: int = 0) -> Snapshot:
+    """The same cluster shared by ``teams`` teams under five organisations (rule 9): every job
+    in a team, quotas summing to 90% of the GPUs in random proportions, a borrowing limit on
+    every third team, random past usage, so the pass orders, caps and reclaims by quota."""
+    rng = random.Random(seed)
+    gpus = sum(n.gpus for n in snapshot.nodes)
+    shares = [rng.uniform(0.5, 2.0) for _ in range(teams)]
+    total = sum(shares)
+    orgs = [Team(f"org{o}") for o in range(5)]
+    members = [
+        Team(f"team{t:02d}", parent=f"org{t % 5}", quota_gpus=int(0.9 * gpus * shares[t] / total),
+             borrow_limit_gpus=rng.choice((64, 256)) if t % 3 == 0 else None, weight=rng.choice((1.0, 2.0)),
+             usage_gpu_s=rng.uniform(0, 3e6))
+        for t in range(teams)
+    ]
+    orgs = [replace(o, quota_gpus=sum(m.quota_gpus for m in members if m.parent == o.name)) for o in orgs]
+    jobs = tuple(replace(j, team=f"team{rng.randrange(teams):02d}") for j in snapshot.jobs)
+    return replace(snapshot, jobs=jobs, teams=tuple(orgs + members))
+
+
 def time_pass(snapshot: Snapshot, repeats: int) -> tuple[float, float, int]:
     """Median CPU and wall milliseconds of ``repeats`` planning passes, and the action count.
 
@@ -163,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     large = build_snapshot(10, seed=1)
     ms_small, wall_small, actions_small = time_pass(small, args.repeats * 3)
     ms_large, wall_large, actions_large = time_pass(large, args.repeats)
+    teamed = with_teams(large, teams=50, seed=1)
+    ms_teams, wall_teams, actions_teams = time_pass(teamed, args.repeats)
     result = {
         "ms_1024": round(ms_small, 2),
         "ms_10240": round(ms_large, 2),
@@ -177,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "waiting_jobs_10240": sum(1 for j in large.jobs if not j.holdings),
         "actions_1024": actions_small,
         "actions_10240": actions_large,
+        "ms_10240_teams": round(ms_teams, 2),
+        "wall_ms_10240_teams": round(wall_teams, 2),
+        "teams_10240": len(teamed.teams) - 5,
+        "actions_10240_teams": actions_teams,
         "repeats": args.repeats,
     }
     if args.json:

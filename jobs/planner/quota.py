@@ -91,12 +91,12 @@ class TeamBook:
     # -- what a team may have -------------------------------------------------------------------
 
     def below_quota_by(self, team: str | None) -> int:
-        """GPUs the team may still take within its guarantee: the least headroom along its chain
-        (0 for no team, or one already at or above its quota)."""
-        chain = self.chain(team)
-        if not chain:
+        """GPUs the team may still take within its own guarantee (0 for no team, or one already
+        at or above its quota). A parent at its quota because a sibling borrows does not take
+        the guarantee away: the sibling's excess is what is reclaimed (``reclaimable``)."""
+        if team is None or team not in self.teams:
             return 0
-        return max(0, min(t.quota_gpus - self.held.get(t.name, 0) for t in chain))
+        return max(0, self.teams[team].quota_gpus - self.held.get(team, 0))
 
     def may_use(self, team: str | None) -> float:
         """GPUs the team may take now in all: quota + borrowing limit - held, the least along its
@@ -115,15 +115,17 @@ class TeamBook:
         t = self.teams[team]
         return max(0, self.held.get(team, 0) - t.quota_gpus)
 
-    def reclaimable(self, job: Job) -> float:
-        """How many of ``job``'s GPUs a team below its quota may take back: its team's excess
-        over quota (the least along the chain: a parent within its own quota protects its
-        children's borrowing from outside it only as far as the parent is over); all of them for
-        a job of no team, which has no quota and only borrows."""
+    def reclaimable(self, job: Job, for_team: str | None = None) -> float:
+        """How many of ``job``'s GPUs ``for_team`` (below its quota) may take back: what the job's
+        team holds beyond its quota, and so does every enclosing team that does not also enclose
+        ``for_team`` (an organisation within its own quota keeps its children's borrowing from
+        outsiders; between siblings only the borrower's own excess counts); all of them for a
+        job of no team, which has no quota and only borrows."""
         chain = self.chain(job.team)
         if not chain:
             return INFINITY
-        return min(max(0, self.held.get(t.name, 0) - t.quota_gpus) for t in chain)
+        mine = {t.name for t in self.chain(for_team)}
+        return min(max(0, self.held.get(t.name, 0) - t.quota_gpus) for t in chain if t.name not in mine)
 
     def anyone_borrowing(self) -> bool:
         """Whether any GPUs are held beyond a quota (or by jobs of no team)."""
@@ -201,14 +203,22 @@ def reclaim_candidates(state: PlanningPass, job: Job, entries: Iterable) -> list
     book = state.teams
     my_rank = PRIORITY_RANK[job.priority]
     picked = []
+    wake = INFINITY
     for order, entry in enumerate(entries):
         other = entry.job
-        if other.name == job.name or other.name in state.acted or entry.rank < my_rank or entry.protected:
+        if other.name == job.name or other.name in state.acted or entry.rank < my_rank:
             continue
-        if book.related(job.team, other.team) or book.reclaimable(other) <= 0:
+        if book.related(job.team, other.team) or book.reclaimable(other, job.team) <= 0:
+            continue
+        if entry.protected:
+            # Its minimum run ends later: look again then, rather than at the next unrelated event.
+            if other.run_started_s is not None:
+                wake = min(wake, other.run_started_s + other.min_run_s)
             continue
         picked.append((-book.fair_share(other.team) if other.team is not None else -INFINITY, order, entry))
     picked.sort(key=lambda kv: (kv[0], kv[1]))
+    if wake < INFINITY:
+        state._wake_at(wake)
     return [entry for _, _, entry in picked]
 
 

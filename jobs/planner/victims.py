@@ -309,7 +309,7 @@ def take_from_victims(
             # Never more from a team than it holds beyond its quota (nor beyond a parent's).
             taken = sum(len(o.freed) for o in chosen if book.related(o.job.team, opt.job.team)
                         or (o.job.team is None and opt.job.team is None))
-            return len(opt.freed) + taken <= book.reclaimable(opt.job)
+            return len(opt.freed) + taken <= book.reclaimable(opt.job, job.team)
 
     options = choose_victims(quota_candidates() if quota else candidates(), fits, state.config,
                              floor_dp=lambda j: floors.get(j.name), fits_split=fits_split, now_s=state.now,

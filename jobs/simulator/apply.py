@@ -48,9 +48,10 @@ def apply_action(sim: Simulation, action: Action) -> None:
         sim._unassign(job, [g for g in job.gpus if g not in set(after)])
         idle_zones = {n: f"idle:{o.spec.name}" for o in sim.jobs.values() if o.parked for n in
                       {p.node for p in o.parked}} if any(sim.jobs[n].parked for n in sim.active_names) else {}
+        own = sim.own_reservations(spec.name)
         for g in after:
             zone = sim.pool_of_node.get(g.node) or idle_zones.get(g.node)
-            if zone is not None and zone not in {r.name for r in sim.reservations if r.job == spec.name}:
+            if zone is not None and zone not in own:
                 job.borrowed[g] = zone
         sim._set_layout(job, after)
         if not after:
@@ -88,7 +89,7 @@ def apply_action(sim: Simulation, action: Action) -> None:
             job.incoming = new
             for g in new:
                 zone = sim.pool_of_node.get(g.node)
-                if zone is not None and zone not in {r.name for r in sim.reservations if r.job == spec.name}:
+                if zone is not None and zone not in sim.own_reservations(spec.name):
                     job.borrowed[g] = zone
         op = Op("reconfigure", after, graceful, action.kind, cmd_id, action.deadline_s, False)
     if graceful:

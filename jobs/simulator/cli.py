@@ -47,6 +47,11 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{pre:>18} {r['lost_gpu_s']:>12.0f} {len(r['invariant_violations']):>10}"
         )
     for r in results:
+        if "quota_shortfall" in r:
+            jain = "n/a" if r["jain_index"] is None else f"{r['jain_index']:.3f}"
+            lines.append(f"  [{r['policy']}] teams: quota shortfall {r['quota_shortfall'] * 100:.2f}%, "
+                         f"Jain's index {jain}")
+    for r in results:
         for v in r["invariant_violations"][:5]:
             lines.append(f"  [{r['policy']}] {v}")
     return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from jobs.planner import plan as omni_plan
@@ -57,6 +58,7 @@ from jobs.simulator import results
 from jobs.simulator.apply import apply_action
 from jobs.simulator.scenario import JobSpec, Scenario
 from jobs.simulator.state import EPS, Op, SimJob
+from jobs.simulator.teams import TeamLedger
 
 POLICIES = ("omni", "static", "kill_preempt")
 #: Between milestones a job's step count reaches the planner at most this often.
@@ -107,9 +109,19 @@ class Simulation:
         for spec in scenario.jobs:
             self.jobs[spec.name] = SimJob(spec=spec, rng=random.Random(f"{scenario.seed}:{spec.name}"))
         self.reservations = [
-            Reservation(r.name, r.job, r.gpus, r.spares, r.start_s, r.end_s, r.period_s, r.active_s, r.nodes)
+            Reservation(r.name, r.job, r.gpus, r.spares, r.start_s, r.end_s, r.period_s, r.active_s, r.nodes, r.team)
             for r in scenario.reservations
         ]
+        # A team's reservation guarantees its earliest-submitted runnable critical job.
+        self.team_critical: dict[str, list[str]] = {}
+        for spec in sorted(scenario.jobs, key=lambda j: (j.submit_s, j.name)):
+            if spec.team is not None and spec.priority == "critical":
+                self.team_critical.setdefault(spec.team, []).append(spec.name)
+        self.ledger = TeamLedger(scenario.teams, self.config.fair_share_half_life_s) if scenario.teams else None
+        # The quota invariant holds a policy to quotas it honours: ``static`` is FCFS and ignores
+        # them (its quota_shortfall is still measured, as the baseline).
+        self.quota_invariant = policy != "static"
+        self.state_version = 0
         self.pool_of_node = {n: r.name for r in self.reservations for n in r.nodes}
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
@@ -183,12 +195,33 @@ class Simulation:
 
     def _touch(self, job: SimJob) -> None:
         job.version += 1
+        self.state_version += 1
+
+    def entitled_job(self, res: Reservation) -> SimJob | None:
+        """The job a reservation guarantees now: its own, or for a team's reservation the team's
+        earliest-submitted critical job still to run (submitted, not done); None when there is none."""
+        if not res.team:
+            return self.jobs[res.job]
+        for name in self.team_critical.get(res.team, ()):
+            job = self.jobs[name]
+            if job.submitted and job.terminal is None:
+                return job
+        return None
+
+    def own_reservations(self, name: str) -> set[str]:
+        """Names of the reservations that guarantee job ``name`` now."""
+        return {r.name for r in self.reservations
+                if (r.job == name if not r.team else (j := self.entitled_job(r)) is not None and j.spec.name == name)}
 
     def _assign(self, job: SimJob, gpus: list[Gpu], new_placement: bool) -> None:
         for g in gpus:
             holder = self.owner.get(g)
             if holder is not None and holder != job.spec.name:
                 self._violation(f"GPU {g.label()} held by both {holder} and {job.spec.name}")
+                if self.ledger is not None:
+                    self.ledger.hold(self.jobs[holder].spec.team, -1)
+            if self.ledger is not None and holder != job.spec.name:
+                self.ledger.hold(job.spec.team, 1)
             if g.node in self.down:
                 self._violation(f"{job.spec.name} placed on down node {g.node}")
             if new_placement and self.health[g.node] in ("draining", "cordoned"):
@@ -199,6 +232,8 @@ class Simulation:
         for g in gpus:
             if self.owner.get(g) == job.spec.name:
                 del self.owner[g]
+                if self.ledger is not None:
+                    self.ledger.hold(job.spec.team, -1)
             job.borrowed.pop(g, None)
 
     def _check_layout(self, job: SimJob) -> None:
@@ -480,6 +515,8 @@ class Simulation:
         job.op = None
         job.epoch += 1
         self.active_names.discard(job.spec.name)
+        if self.ledger is not None:
+            self.ledger.runnable(job, added=False)
         self._record("complete", job.spec.name, steps_done=job.committed)
         self._request_plan(self.now, urgent=job.spec.priority == "critical")
 
@@ -509,12 +546,15 @@ class Simulation:
         job.activity = "waiting"
         job.queued_since = self.now
         self.active_names.add(job.spec.name)
+        if self.ledger is not None:
+            self.ledger.runnable(job, added=True)
         self._touch(job)
         self._request_plan(self.now, urgent=job.spec.priority == "critical")
 
     def _on_scenario_event(self, index: int) -> None:
         ev = self.scenario.events[index]
         self._nodes_cache = None  # health or speed may change
+        self.state_version += 1
         if ev.kind == "node_down":
             self._node_down(ev.node or "")
         elif ev.kind == "node_up":
@@ -557,6 +597,8 @@ class Simulation:
                 job.end_s = self.now
                 job.epoch += 1
                 self.active_names.discard(job.spec.name)
+                if self.ledger is not None:
+                    self.ledger.runnable(job, added=False)
                 self._record("cancel", job.spec.name)
             elif not job.submitted:
                 job.terminal = "cancelled"
@@ -597,18 +639,18 @@ class Simulation:
                                  f"since its last checkpoint (step {job.last_ckpt_step}) and recovers.",
                                  "inputs": {"node": node, "survivor_gpus": len(keep)}})
             for res in self.reservations:
-                if res.job == name:
+                if (owner := self.entitled_job(res)) is not None and owner.spec.name == name:
                     self.res_fault_since[res.name] = self.now
 
     def _on_window(self, res_index: int) -> None:
         res = self.reservations[res_index]
-        job = self.jobs[res.job]
-        if res.period_s and not is_active(res, self.now) and job.terminal is None and job.submitted:
+        job = self.entitled_job(res)
+        if job is not None and res.period_s and not is_active(res, self.now) and job.terminal is None and job.submitted:
             if job.gpus and job.op is None:
                 self._record("window_end", job.spec.name, reason={"rule": "entitlement", "text": (
                     f"Reservation window of '{res.name}' closed: the job saves and sleeps until the next one."),
                     "inputs": {}})
-                self._request_stop(job, Op("dormant", [], True, "window_end", f"{res.job}-w{self.seq}", None, False))
+                self._request_stop(job, Op("dormant", [], True, "window_end", f"{job.spec.name}-w{self.seq}", None, False))
         self._request_plan(self.now)
 
     # --- snapshot and plan ------------------------------------------------------------------------
@@ -642,7 +684,7 @@ class Simulation:
             micro_batch=spec.micro_batch, total_steps=spec.total_steps, step_s=spec.step_s,
             comm_fraction=spec.comm_fraction, checkpoint=spec.checkpoint, idle_phases=spec.idle_phases,
             min_run_s=spec.min_run_s, submit_s=spec.submit_s, owner=spec.owner, phase=phase,
-            committed_steps=live, last_checkpoint_step=job.last_ckpt_step,
+            team=spec.team, committed_steps=live, last_checkpoint_step=job.last_ckpt_step,
             last_checkpoint_s=job.last_ckpt_t, run_started_s=job.run_started,
             last_resize_s=job.last_resize, queued_since_s=job.queued_since, holdings=holdings,
             rhythm=rhythm,
@@ -664,7 +706,8 @@ class Simulation:
             )
         nodes = self._nodes_cache
         jobs = tuple(self._snapshot_job(self.jobs[name]) for name in sorted(self.active_names))
-        reservations = tuple(r for r in self.reservations if self.jobs[r.job].terminal is None)
+        # A team's reservation outlives its jobs: the planner resolves whom it guarantees.
+        reservations = tuple(r for r in self.reservations if r.team or self.jobs[r.job].terminal is None)
         parked = [self.jobs[name] for name in sorted(self.active_names) if self.jobs[name].parked]
         if parked:
             reservations += tuple(
@@ -679,7 +722,8 @@ class Simulation:
             for name in sorted(self.active_names)
             if (j := self.jobs[name]).op is not None
         )
-        return Snapshot(nodes, jobs, reservations, commands)
+        teams = self.ledger.snapshot_teams() if self.ledger is not None else ()
+        return Snapshot(nodes, jobs, reservations, commands, teams=teams)
 
     def _plan(self) -> None:
         snap = self.snapshot()
@@ -687,7 +731,9 @@ class Simulation:
         if self.policy == "static":
             from jobs.simulator.policies import plan_static
 
-            result: Plan = plan_static(snap, self.now, self.config)
+            # The FCFS baseline ignores quotas (it still knows each job's team, to resolve a
+            # team's reservation to its owner).
+            result: Plan = plan_static(replace(snap, teams=()), self.now, self.config)
         else:
             result = omni_plan(snap, self.now, self.config)
         for action in result.actions:

@@ -19,7 +19,12 @@ Result shape (FORMAT.md fields plus extras), JSON-able::
          allocated: {critical, regular, best_effort},   # GPUs held, by class
          useful: {critical, regular, best_effort},      # GPUs computing steps at t
          entitled: {critical job: GPUs its reservations guarantee at t},
-         delivered: {critical job: GPUs it holds at t, capped at the entitlement}}]}
+         delivered: {critical job: GPUs it holds at t, capped at the entitlement}}],
+     # with teams (jobs.simulator.teams):
+     teams: [{name, parent, quota_gpus, received_gpu_s, demand_gpu_s, quota_shortfall,
+              median_queue_s, jobs}],   # a team's figures include its sub-teams' jobs
+     jain_index,                        # over leaf teams with demand: received / demand GPU-s
+     quota_shortfall}
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ if TYPE_CHECKING:
 
 def entitlement(sim: Simulation, res: Reservation, t: float) -> tuple[int, int]:
     """GPUs ``res`` entitles its job to at ``t`` (0 while the job cannot run), and how many of
-    them it holds."""
-    job = sim.jobs[res.job]
+    them it holds. A team's reservation entitles the team's earliest-submitted runnable
+    critical job."""
+    job = sim.entitled_job(res)
+    if job is None:
+        return 0, 0
     runnable = job.submitted and job.terminal is None
     if not runnable or not is_active(res, t):
         return 0, 0
@@ -51,6 +59,8 @@ def advance(sim: Simulation, t: float) -> None:
     if b > a:
         healthy = sim.total_gpus - sum(sim.nodes[name].gpus for name in sim.down)
         sim.healthy_gpu_s += healthy * (b - a)
+        if sim.ledger is not None:
+            sim.ledger.advance(sim, a, b)
         for res in sim.reservations:
             ent, got = entitlement(sim, res, a)
             if ent <= 0:
@@ -85,8 +95,12 @@ def timeline_sample(sim: Simulation, t: float, healthy: int) -> dict[str, Any]:
     delivered: dict[str, int] = {}
     for res in sim.reservations:
         ent, got = entitlement(sim, res, t)
-        entitled[res.job] = entitled.get(res.job, 0) + ent
-        delivered[res.job] = delivered.get(res.job, 0) + got
+        owner = sim.entitled_job(res)
+        if owner is None:
+            continue
+        name = owner.spec.name
+        entitled[name] = entitled.get(name, 0) + ent
+        delivered[name] = delivered.get(name, 0) + got
     return {"t": round(t, 3), "healthy_gpus": healthy, "allocated": alloc, "useful": useful,
             "entitled": entitled, "delivered": delivered}
 
@@ -143,6 +157,8 @@ def result(sim: Simulation, wall_s: float) -> dict[str, Any]:
         "jobs": jobs_out,
         "timeline": sim.timeline,
     }
+    if sim.ledger is not None:
+        out.update(sim.ledger.result(sim))
     if sim.record_events:
         out["events"] = sim.records
     return out

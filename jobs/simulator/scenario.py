@@ -8,6 +8,10 @@ Extensions to the shared format (all optional): a top-level ``comment`` string s
 the scenario tests; ``reservations[].nodes`` pinning a reservation's pool to named nodes
 (otherwise the loader picks whole nodes from the end of the topology, switch by switch);
 ``policy`` may also set any ``PlannerConfig`` knob except ``reclaim_mode``.
+
+Teams (``teams[]``, a job's ``team``, a reservation's ``team``) are checked here once: names
+unique, every ``parent`` a team and no cycle, every job's and reservation's ``team`` a team, a
+reservation naming exactly one of ``job`` or ``team``.
 """
 
 from __future__ import annotations
@@ -53,11 +57,24 @@ class JobSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     idle_phases: tuple[IdlePhase, ...] = ()
     min_run_s: float = 0.0
+    team: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TeamSpec:
+    """One team as declared: its quota, borrowing limit (``None``: no limit) and weight."""
+
+    name: str
+    parent: str | None = None
+    quota_gpus: int = 0
+    borrow_limit_gpus: int | None = None
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class ReservationSpec:
-    """One reservation as declared, plus the pool nodes it was given."""
+    """One reservation as declared, plus the pool nodes it was given. A team's reservation has
+    ``team`` set and ``job`` empty: it guarantees whichever of the team's critical jobs runs."""
 
     name: str
     job: str
@@ -68,6 +85,7 @@ class ReservationSpec:
     period_s: float | None = None
     active_s: float | None = None
     nodes: tuple[str, ...] = ()
+    team: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +112,7 @@ class Scenario:
     events: tuple[EventSpec, ...]
     policy: dict[str, Any]
     comment: str = ""
+    teams: tuple[TeamSpec, ...] = ()
 
     def planner_config(self, reclaim_mode: str = "graceful") -> PlannerConfig:
         """The planner config this scenario asks for."""
@@ -105,18 +124,21 @@ class Scenario:
         return sum(n.gpus for n in self.nodes)
 
 
-TOP_KEYS = {"name", "horizon_s", "seed", "cluster", "jobs", "reservations", "events", "policy", "comment"}
+TOP_KEYS = {"name", "horizon_s", "seed", "cluster", "jobs", "reservations", "events", "policy", "comment", "teams"}
 REGULAR_KEYS = ("racks", "switches_per_rack", "nodes_per_switch", "gpus_per_node")
 NODE_KEYS = {"name", "rack", "switch", "gpus"}
 JOB_KEYS = {
     "name", "owner", "priority", "submit_s", "tp", "pp", "dp", "dp_min", "dp_max", "global_batch",
     "micro_batch", "total_steps", "step_s", "step_cv", "comm_fraction", "checkpoint", "idle_phases",
-    "min_run_s",
+    "min_run_s", "team",
 }
 JOB_REQUIRED = ("name", "priority", "dp", "global_batch", "micro_batch", "total_steps", "step_s")
 CHECKPOINT_KEYS = {"every_steps", "save_s", "load_s"}
 IDLE_KEYS = {"every_steps", "duration_s"}
-RES_KEYS = {"name", "job", "gpus", "spares", "start_s", "end_s", "period_s", "active_s", "nodes"}
+RES_KEYS = {"name", "job", "team", "gpus", "spares", "start_s", "end_s", "period_s", "active_s", "nodes"}
+TEAM_KEYS = {"name", "parent", "quota_gpus", "borrow_limit_gpus", "weight"}
+#: Policy knobs that must be strictly positive (a half-life of 0 would make no sense).
+POSITIVE_POLICY_KEYS = {"fair_share_half_life_s"}
 EVENT_FIELDS = {
     "node_down": ("node",),
     "node_up": ("node",),
@@ -202,10 +224,12 @@ def _cluster(obj: Any) -> tuple[Node, ...]:
     )
 
 
-def _job(raw: Any, i: int, max_node_gpus: int, total_gpus: int, policy_min_run_s: float, horizon_s: float) -> JobSpec:
+def _job(raw: Any, i: int, max_node_gpus: int, total_gpus: int, policy_min_run_s: float, horizon_s: float,
+         teams: set[str]) -> JobSpec:
     where = f"jobs[{i}]"
     _keys(raw, where, JOB_KEYS, JOB_REQUIRED)
     name = _str(raw["name"], f"{where}.name")
+    team = _team_ref(raw.get("team"), f"{where}.team", teams)
     priority = raw["priority"]
     if priority not in PRIORITIES:
         raise ScenarioError(f"{where}.priority", f"must be one of {', '.join(PRIORITIES)}, got {json.dumps(priority)}")
@@ -252,7 +276,54 @@ def _job(raw: Any, i: int, max_node_gpus: int, total_gpus: int, policy_min_run_s
         tp=tp, pp=pp, dp_min=dp_min, dp_max=dp_max, step_cv=step_cv, comm_fraction=comm,
         checkpoint=ckpt, idle_phases=tuple(phases),
         min_run_s=_num(raw.get("min_run_s", default_min_run), f"{where}.min_run_s", 0.0),
+        team=team,
     )
+
+
+def _team_ref(value: Any, where: str, teams: set[str]) -> str | None:
+    """A reference to a team (absent or null: none), which must name one of ``teams``."""
+    if value is None:
+        return None
+    name = _str(value, where)
+    if name not in teams:
+        raise ScenarioError(where, f"{name!r} is not a team")
+    return name
+
+
+def _teams(raw_list: Any) -> tuple[TeamSpec, ...]:
+    """``teams[]``: unique names, parents that are teams, no cycle."""
+    specs: list[TeamSpec] = []
+    seen: set[str] = set()
+    raws = _list(raw_list, "teams")
+    for i, raw in enumerate(raws):
+        where = f"teams[{i}]"
+        _keys(raw, where, TEAM_KEYS, ("name",))
+        name = _str(raw["name"], f"{where}.name")
+        if name in seen:
+            raise ScenarioError(f"{where}.name", f"duplicate team {name!r}")
+        seen.add(name)
+    for i, raw in enumerate(raws):
+        where = f"teams[{i}]"
+        limit = raw.get("borrow_limit_gpus")
+        specs.append(TeamSpec(
+            name=raw["name"],
+            parent=_team_ref(raw.get("parent"), f"{where}.parent", seen),
+            quota_gpus=_int(raw.get("quota_gpus", 0), f"{where}.quota_gpus", 0),
+            borrow_limit_gpus=None if limit is None else _int(limit, f"{where}.borrow_limit_gpus", 0),
+            weight=_num(raw.get("weight", 1), f"{where}.weight", positive=True),
+        ))
+    parent_of = {t.name: t.parent for t in specs}
+    for i, t in enumerate(specs):
+        path = [t.name]
+        up = t.parent
+        while up is not None:
+            if up == t.name:
+                raise ScenarioError(f"teams[{i}].parent", f"cycle: {' -> '.join([*path, up])}")
+            if up in path:
+                break  # a cycle further up: reported at its own team
+            path.append(up)
+            up = parent_of[up]
+    return tuple(specs)
 
 
 def _pick_pool(nodes: tuple[Node, ...], taken: set[str], want_gpus: int) -> tuple[str, ...]:
@@ -289,17 +360,19 @@ def parse_scenario(data: Any) -> Scenario:
     for key, value in sorted(policy_raw.items()):
         default = getattr(PlannerConfig(), key)
         policy[key] = _int(value, f"policy.{key}", 0) if isinstance(default, int) and not isinstance(default, float) \
-            else _num(value, f"policy.{key}", 0.0)
+            else _num(value, f"policy.{key}", 0.0, positive=key in POSITIVE_POLICY_KEYS)
     config = PlannerConfig().with_overrides(policy)
     nodes = _cluster(data["cluster"])
     node_names = {n.name for n in nodes}
     max_node_gpus = max(n.gpus for n in nodes)
     total = sum(n.gpus for n in nodes)
+    teams = _teams(data.get("teams", []))
+    team_names = {t.name for t in teams}
 
     jobs: list[JobSpec] = []
     seen: set[str] = set()
     for i, raw in enumerate(_list(data["jobs"], "jobs")):
-        job = _job(raw, i, max_node_gpus, total, config.min_run_s, horizon_s)
+        job = _job(raw, i, max_node_gpus, total, config.min_run_s, horizon_s, team_names)
         if job.name in seen:
             raise ScenarioError(f"jobs[{i}].name", f"duplicate job {job.name!r}")
         seen.add(job.name)
@@ -311,21 +384,32 @@ def parse_scenario(data: Any) -> Scenario:
     res_seen: set[str] = set()
     for i, raw in enumerate(_list(data.get("reservations", []), "reservations")):
         where = f"reservations[{i}]"
-        _keys(raw, where, RES_KEYS, ("name", "job", "gpus"))
+        _keys(raw, where, RES_KEYS, ("name", "gpus"))
         rname = _str(raw["name"], f"{where}.name")
         if rname in res_seen:
             raise ScenarioError(f"{where}.name", f"duplicate reservation {rname!r}")
         res_seen.add(rname)
-        jname = _str(raw["job"], f"{where}.job")
-        if jname not in by_name:
-            raise ScenarioError(f"{where}.job", f"no job named {jname!r}")
-        job = by_name[jname]
-        if job.priority != "critical":
-            raise ScenarioError(f"{where}.job", f"{jname!r} is {job.priority}; reservations guarantee critical jobs")
+        if ("job" in raw) == ("team" in raw):
+            raise ScenarioError(where, "needs exactly one of job or team" + (", not both" if "job" in raw else ""))
         gpus = _int(raw["gpus"], f"{where}.gpus", 1)
-        rep = job.tp * job.pp
-        if gpus % rep:
-            raise ScenarioError(f"{where}.gpus", f"{gpus} is not a multiple of the job's replica size {rep}")
+        rteam = None
+        if "job" in raw:
+            jname = _str(raw["job"], f"{where}.job")
+            if jname not in by_name:
+                raise ScenarioError(f"{where}.job", f"no job named {jname!r}")
+            job = by_name[jname]
+            if job.priority != "critical":
+                raise ScenarioError(f"{where}.job", f"{jname!r} is {job.priority}; reservations guarantee critical jobs")
+            owners = [job]
+        else:
+            jname = ""
+            rteam = _team_ref(raw["team"], f"{where}.team", team_names)
+            owners = [j for j in jobs if j.team == rteam and j.priority == "critical"]
+        for job in owners:
+            rep = job.tp * job.pp
+            if gpus % rep:
+                whose = "the job's" if rteam is None else f"{job.name!r}'s"
+                raise ScenarioError(f"{where}.gpus", f"{gpus} is not a multiple of {whose} replica size {rep}")
         spares = _int(raw.get("spares", 0), f"{where}.spares", 0)
         start_s = _num(raw.get("start_s", 0), f"{where}.start_s", 0.0)
         end_s = _num(raw["end_s"], f"{where}.end_s") if raw.get("end_s") is not None else None
@@ -355,7 +439,7 @@ def parse_scenario(data: Any) -> Scenario:
             if not pool:
                 raise ScenarioError(f"{where}.gpus", f"gpus+spares = {gpus + spares} do not fit in the unreserved cluster")
         taken.update(pool)
-        reservations.append(ReservationSpec(rname, jname, gpus, spares, start_s, end_s, period_s, active_s, pool))
+        reservations.append(ReservationSpec(rname, jname, gpus, spares, start_s, end_s, period_s, active_s, pool, rteam))
 
     events: list[EventSpec] = []
     for i, raw in enumerate(_list(data.get("events", []), "events")):
@@ -380,7 +464,8 @@ def parse_scenario(data: Any) -> Scenario:
             factor = _num(raw["factor"], f"{where}.factor", positive=True)
         events.append(EventSpec(at_s, kind, node, job_name, factor))
 
-    return Scenario(name, horizon_s, seed, nodes, tuple(jobs), tuple(reservations), tuple(events), policy, comment)
+    return Scenario(name, horizon_s, seed, nodes, tuple(jobs), tuple(reservations), tuple(events), policy, comment,
+                    teams)
 
 
 def load_scenario(path: str | Path) -> Scenario:

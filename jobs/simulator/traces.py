@@ -45,6 +45,7 @@ class TraceJob:
     duration_s: float
     gpus: int
     kind: str  # "pretrain" or "sft" for Acme, "" for Philly
+    vc: str = ""  # Philly's virtual cluster (the ``cluster`` column), "" when the file has none
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class ImportOptions:
     step_s_max: float = 4.0
     critical_step_s_min: float = 6.0
     critical_step_s_max: float = 12.0
+    teams: bool = False  # Philly: one team per virtual cluster, quotas by submitted GPU-hours
 
 
 def default_options(source: str) -> ImportOptions:
@@ -187,8 +189,8 @@ def read_philly_trace(path: str | Path) -> list[TraceJob]:
             raise TraceError(f"{label} row {index}: column timestamp: {raw_time!r} is not a date-time") from None
         duration_s = _number(label, index, row_dict, "duration", minimum=0.0)
         gpus = _whole(label, index, row_dict, "num_gpus", minimum=1)
-        parsed.append((stamp.replace(tzinfo=None), duration_s, gpus, index))
-    first = min(stamp for stamp, _, _, _ in parsed)
+        parsed.append((stamp.replace(tzinfo=None), duration_s, gpus, index, (row_dict.get("cluster") or "").strip()))
+    first = min(stamp for stamp, _, _, _, _ in parsed)
     jobs = [
         TraceJob(
             trace_id=str(index),
@@ -197,8 +199,9 @@ def read_philly_trace(path: str | Path) -> list[TraceJob]:
             duration_s=max(duration_s, 1.0),
             gpus=gpus,
             kind="",
+            vc=vc,
         )
-        for stamp, duration_s, gpus, index in parsed
+        for stamp, duration_s, gpus, index, vc in parsed
     ]
     jobs.sort(key=lambda job: (job.submit_s, job.row))
     return jobs
@@ -497,19 +500,23 @@ def build_scenario(source: str, trace_jobs: list[TraceJob], options: ImportOptio
     critical = {job.row for job in choose_critical(jobs, options)}
     scenario_jobs: list[dict[str, Any]] = []
     reservations: list[dict[str, Any]] = []
+    gpu_s_by_vc: dict[str, float] = {}
     dropped = 0
     for job in jobs:
         if job.row in critical:
             entry, reservation = _critical_job(job, len(reservations), rng, options, horizon_s)
-            scenario_jobs.append(entry)
             reservations.append(reservation)
-            continue
-        entry = _regular_job(job, rng, options)
-        if entry["dp_min"] * entry["tp"] * entry["pp"] > options.gpus:
-            dropped += 1
-            continue
+        else:
+            entry = _regular_job(job, rng, options)
+            if entry["dp_min"] * entry["tp"] * entry["pp"] > options.gpus:
+                dropped += 1
+                continue
+        if options.teams:
+            entry["team"] = _team_name(job)
+            gpu_s_by_vc[entry["team"]] = gpu_s_by_vc.get(entry["team"], 0.0) + \
+                entry["tp"] * entry["pp"] * entry["dp"] * job.duration_s
         scenario_jobs.append(entry)
-    scenario = {
+    scenario: dict[str, Any] = {
         "name": options.name or f"{source}-trace",
         "comment": describe_assumptions(source, options, scenario_jobs, reservations, dropped),
         "horizon_s": horizon_s,
@@ -518,7 +525,29 @@ def build_scenario(source: str, trace_jobs: list[TraceJob], options: ImportOptio
         "jobs": scenario_jobs,
         "reservations": reservations,
     }
+    if options.teams:
+        scenario["teams"] = [{"name": name, "quota_gpus": quota}
+                             for name, quota in team_quotas(gpu_s_by_vc, options.gpus).items()]
     return scenario
+
+
+def _team_name(job: TraceJob) -> str:
+    return f"vc-{job.vc}"
+
+
+def team_quotas(gpu_s_by_team: dict[str, float], gpus: int) -> dict[str, int]:
+    """Whole-GPU quotas in proportion to each team's submitted GPU-seconds, summing to ``gpus``
+    (largest remainder; ties by name), in name order."""
+    total = sum(gpu_s_by_team.values())
+    names = sorted(gpu_s_by_team)
+    if total <= 0:
+        return dict.fromkeys(names, 0)
+    exact = {name: gpus * gpu_s_by_team[name] / total for name in names}
+    quotas = {name: math.floor(share) for name, share in exact.items()}
+    left = gpus - sum(quotas.values())
+    for name in sorted(names, key=lambda n: (-(exact[n] - quotas[n]), n))[:left]:
+        quotas[name] += 1
+    return quotas
 
 
 def describe_assumptions(source: str, options: ImportOptions, jobs: list[dict[str, Any]],
@@ -558,6 +587,10 @@ def describe_assumptions(source: str, options: ImportOptions, jobs: list[dict[st
         "30 + 0.09 x GPUs s (pretrain, critical); load = 2 x save. Seed "
         f"{options.seed} draws the step times.",
     ]
+    if options.teams:
+        parts.append("Teams: one per Philly virtual cluster (vc-ID), each job in its VC's team; quotas in "
+                     "proportion to the GPU-hours each VC submits in the window at the sizes above (critical "
+                     f"jobs included), rounded to whole GPUs summing to {options.gpus}; no borrowing limit, weight 1.")
     return " ".join(parts)
 
 
@@ -567,7 +600,13 @@ def import_trace(source: str, path: str | Path, options: ImportOptions | None = 
         raise TraceError(f"unknown trace source {source!r}; expected one of {', '.join(TRACE_SOURCES)}")
     options = options or default_options(source)
     check_options(options)
-    return build_scenario(source, read_trace(source, path), options)
+    if options.teams and source != "philly":
+        raise TraceError(f"--teams: the {source} trace has no virtual clusters to make teams of (philly only)")
+    trace_jobs = read_trace(source, path)
+    if options.teams and any(not job.vc for job in trace_jobs):
+        row = next(job.row for job in trace_jobs if not job.vc)
+        raise TraceError(f"--teams: {Path(path).name} row {row}: no cluster (virtual cluster) to make a team of")
+    return build_scenario(source, trace_jobs, options)
 
 
 def options_with(source: str, overrides: dict[str, Any]) -> ImportOptions:
@@ -582,6 +621,8 @@ def options_with(source: str, overrides: dict[str, Any]) -> ImportOptions:
     if "name" not in values and (options.start_day, options.days) != (defaults.start_day, defaults.days):
         # Another window is another scenario: do not let it pass for the shipped one.
         options = replace(options, name=f"{source}-day{options.start_day:g}-{options.days:g}d")
+    if "name" not in values and options.teams:
+        options = replace(options, name=f"{options.name}-teams")
     return options
 
 
@@ -623,4 +664,5 @@ OPTION_HELP: dict[str, str] = {
     "step_s_max": "see --step-s-min",
     "critical_step_s_min": "critical step time is drawn uniformly from [min, max]",
     "critical_step_s_max": "see --critical-step-s-min",
+    "teams": "Philly: one team per virtual cluster, quotas in proportion to its submitted GPU-hours",
 }

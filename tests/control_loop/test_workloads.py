@@ -119,9 +119,13 @@ def test_plain_ddp_script_on_two_nodes_is_drained_by_sigterm_and_resumes_to_the_
     reference = control_cluster.tmp / "reference"
     env = {**control_cluster.env, "OMNI_CHECKPOINT_DIR": str(reference), "OMNI_TOTAL_STEPS": "40"}
     env.pop("OMNI_JOB", None)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                    str(EXAMPLE), "--step-s", "0"], env=env, cwd=control_cluster.tmp, check=True,
-                   capture_output=True, timeout=180)
+    for attempt in (1, 2):  # the baseline run, not the system under test: once more if the loaded machine broke it
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                               str(EXAMPLE), "--step-s", "0"], env=env, cwd=control_cluster.tmp,
+                              capture_output=True, text=True, timeout=180)
+        if done.returncode == 0 and (reference / "result.json").exists():
+            break
+    assert done.returncode == 0, f"the uninterrupted reference run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     expected = json.loads((reference / "result.json").read_text())
     assert result["weights"] == expected["weights"]
     assert result["loss"] == expected["loss"]
@@ -158,12 +162,14 @@ def test_a_crashing_script_restarts_up_to_max_restarts_then_fails_with_its_trace
     wait_for(lambda: Job.objects.get(pk=job.pk).state == "failed", 240, "the job to fail")
     job.refresh_from_db()
     assert job.restarts == 1
-    # An uncaught exception exits 1, or 134 when gloo's threads abort the interpreter's teardown.
-    assert job.failure["rank"] == 1 and job.failure["code"] in (1, 134) and job.failure["node"] == "n1"
+    # An uncaught exception exits 1, or dies of SIGABRT (code 134, or signal 6 as the rank wrapper
+    # sees it) when gloo's threads abort the interpreter's teardown on a loaded machine.
+    assert job.failure["rank"] == 1 and job.failure["node"] == "n1"
+    assert job.failure["code"] in (1, 134) or job.failure.get("signal") == 6
     assert "RuntimeError: deliberate failure at step 2 on rank 1" in job.failure["tail"]
     assert "Traceback" in job.failure["tail"]
     restart = ElasticEvent.objects.get(kind=EventKind.RESTART, job_name="crashy")
-    assert re.search(r"rank 1 on n1 exited with code (1|134) ", restart.reason["text"])
+    assert re.search(r"rank 1 on n1 exited with (code (1|134)|signal 6) ", restart.reason["text"])
     assert "restart 1 of 1" in restart.reason["text"]
     fail = ElasticEvent.objects.get(kind=EventKind.FAIL, job_name="crashy")
     assert fail.outcome["failure"]["rank"] == 1 and "deliberate failure" in fail.reason["text"]

@@ -165,3 +165,28 @@ def test_the_ledger_follows_the_pass_and_the_words_read_right():
     book.add("vision", 40)
     assert book.may_use("vision") == 0 and book.above_quota_by("vision") == 40
     assert PlannerConfig().fair_share_half_life_s == 604800.0
+
+
+def test_a_sibling_below_its_quota_reclaims_from_a_sibling_borrowing_inside_the_organisation():
+    teams = [Team("org", quota_gpus=16), Team("a", parent="org", quota_gpus=8), Team("b", parent="org", quota_gpus=8),
+             Team("outside", quota_gpus=16)]
+    a = job("a-big", tp=8, dp=2, dp_min=1, gpus=gpus_on("r0s0n0", "r0s0n1"), team="a", run_started_s=0.0,
+            min_run_s=0.0)
+    full = job("out", tp=8, dp=2, gpus=gpus_on("r0s0n2", "r0s0n3"), team="outside")
+    result = plan(snap([a, full, job("b1", tp=8, team="b", submit_s=9_000.0)], teams), 10_000.0)
+    shrink = acts(result, "shrink")["a-big"]  # its 8 beyond its own quota, not the 8 it is owed
+    assert shrink.reason.rule == "quota.reclaim" and len(shrink.gpus_after) == 8
+    # ... but an outside team below its quota may not: the organisation is within its own quota.
+    teams.append(Team("third", quota_gpus=8))
+    third = job("t-run", tp=8, dp=1, gpus=gpus_on("r0s0n2"), team="third")
+    result = plan(snap([a, third, job("o1", tp=8, dp=1, gpus=gpus_on("r0s0n3"), team="outside"),
+                        job("o2", tp=8, dp=1, team="outside", submit_s=9_000.0)], teams), 10_000.0)
+    assert not acts(result, "preempt") and not acts(result, "shrink")
+    assert acts(result, "hold")["o2"].reason.inputs["cause"] == "capacity"
+
+
+def test_a_borrower_protected_by_its_minimum_run_is_looked_at_again_when_it_ends():
+    teams = [Team("vision", quota_gpus=0), Team("speech", quota_gpus=16)]
+    recent = job("v-recent", tp=8, dp=4, gpus=gpus_on(*ALL), team="vision", run_started_s=9_000.0, min_run_s=7200.0)
+    result = plan(snap([recent, job("s-new", tp=8, dp=2, team="speech", submit_s=9_500.0)], teams), 10_000.0)
+    assert not acts(result, "preempt") and result.wake_at_s == 16_200.0

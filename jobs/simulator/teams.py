@@ -1,0 +1,301 @@
+"""Teams in a replay: GPUs held per team, decayed fair-share usage, and the quota guarantee.
+
+``TeamLedger`` is what the engine keeps when a scenario has ``teams``: GPUs held per team (its
+sub-teams' included, kept current at every GPU assignment), the decayed usage the planner reads
+(``Team.usage_gpu_s``, with ``jobs.planner.quota.accrue``), GPU-seconds received and asked for,
+and the quota invariant with its ``quota_shortfall`` (docs/simulator.md, "Teams"):
+
+A team below its quota is *kept from* GPUs when one of its waiting jobs (regular or
+best-effort; not recovering, not between reservation windows, not owed a lent idle phase)
+asks for no more than the team's headroom under its quota at its smallest size, does not fit
+in the idle GPUs, and would fit in the idle GPUs plus the GPUs the planner may reclaim for it:
+those held by jobs of its class or lower, not protected by ``min_run_s``, of teams outside its
+own chain (or of no team), never more from a team than it holds beyond its quota. Kept for
+longer than those jobs' save time plus two steps in flight plus ``reclaim_grace_s`` (plus the
+simulator's planner batching in big replays) is a breach and counts as quota shortfall.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from jobs.planner.layout import batch_divides
+from jobs.planner.quota import accrue
+from jobs.planner.snapshot import PRIORITY_RANK, Team
+from jobs.simulator.scenario import TeamSpec
+
+if TYPE_CHECKING:
+    from jobs.simulator.engine import Simulation
+    from jobs.simulator.state import SimJob
+
+NON_PLACEABLE = ("failed", "draining", "cordoned")
+
+
+class TeamLedger:
+    """Per-team accounting of one replay (only built when the scenario has teams)."""
+
+    def __init__(self, teams: Iterable[TeamSpec], half_life_s: float) -> None:
+        self.specs: dict[str, TeamSpec] = {t.name: t for t in teams}
+        self.half_life_s = half_life_s
+        self.chains: dict[str, tuple[str, ...]] = {name: self._chain(name) for name in self.specs}
+        self.root: dict[str, str] = {name: chain[-1] for name, chain in self.chains.items()}
+        self.children: dict[str, list[str]] = {name: [] for name in self.specs}
+        for t in self.specs.values():
+            if t.parent is not None:
+                self.children[t.parent].append(t.name)
+        self.held = dict.fromkeys(self.specs, 0)  # sub-teams included
+        self.direct_held = dict.fromkeys(self.specs, 0)
+        self.demand = dict.fromkeys(self.specs, 0)  # preferred GPUs of runnable jobs, sub-teams included
+        self.usage_gpu_s = dict.fromkeys(self.specs, 0.0)
+        self.received_gpu_s = dict.fromkeys(self.specs, 0.0)
+        self.demand_gpu_s = dict.fromkeys(self.specs, 0.0)
+        self.owed_gpu_s = dict.fromkeys(self.specs, 0.0)
+        self.kept_gpu_s = dict.fromkeys(self.specs, 0.0)
+        self.active: dict[str, set[str]] = {name: set() for name in self.specs}  # direct members only
+        self.kept_since: dict[str, float | None] = dict.fromkeys(self.specs)
+        self._cache_key: tuple[int, float] | None = None
+        self._cache: tuple[dict[str, tuple[int, float, str]], set[str]] = ({}, set())
+
+    def _chain(self, name: str) -> tuple[str, ...]:
+        out = []
+        team: str | None = name
+        while team is not None and team not in out:
+            out.append(team)
+            team = self.specs[team].parent
+        return tuple(out)
+
+    # --- kept current by the engine ---------------------------------------------------------------
+
+    def hold(self, team: str | None, gpus: int) -> None:
+        """``gpus`` more (or fewer) GPUs held by a job of ``team``."""
+        if team is None:
+            return
+        self.direct_held[team] += gpus
+        for t in self.chains[team]:
+            self.held[t] += gpus
+
+    def runnable(self, job: SimJob, added: bool) -> None:
+        """A job of a team arrived (``added``) or finished: its demand and membership."""
+        team = job.spec.team
+        if team is None:
+            return
+        sign = 1 if added else -1
+        for t in self.chains[team]:
+            self.demand[t] += sign * job.spec.dp * job.rep
+        (self.active[team].add if added else self.active[team].discard)(job.spec.name)
+
+    def snapshot_teams(self) -> tuple[Team, ...]:
+        """The planner's ``Snapshot.teams``, usage decayed up to now."""
+        return tuple(Team(t.name, t.parent, t.quota_gpus, t.borrow_limit_gpus, t.weight, self.usage_gpu_s[t.name])
+                     for t in self.specs.values())
+
+    # --- integrated over time -------------------------------------------------------------------
+
+    def advance(self, sim: Simulation, a: float, b: float) -> None:
+        """Integrate [a, b) with the state as it is (called before the clock moves)."""
+        dt = b - a
+        for name in self.specs:
+            held = self.held[name]
+            self.usage_gpu_s[name] = accrue(self.usage_gpu_s[name], held, dt, self.half_life_s)
+            self.received_gpu_s[name] += held * dt
+            self.demand_gpu_s[name] += self.demand[name] * dt
+        kept, waiting = self.kept(sim, a)
+        for name, spec in self.specs.items():
+            if name in waiting:
+                self.owed_gpu_s[name] += spec.quota_gpus * dt
+            if name not in kept:
+                self.kept_since[name] = None
+                continue
+            gpus, bound_s, who = kept[name]
+            since = self.kept_since[name]
+            if since is None:
+                since = self.kept_since[name] = a
+            start = max(a, since + bound_s)
+            if b > start + 1e-9:
+                self.kept_gpu_s[name] += gpus * (b - start)
+                if not sim.quota_invariant:
+                    continue
+                sim._violation(
+                    f"team {name} is below its quota ({self.held[name]} of {spec.quota_gpus} guaranteed GPUs) "
+                    f"and {who} waits, but {gpus} GPUs other teams hold beyond their quotas were not reclaimed "
+                    f"for it from t={since:.1f}s to t={b:.1f}s (more than save time + steps in flight + "
+                    f"reclaim_grace_s = {bound_s:.0f}s)",
+                    key=f"quota:{name}:{since}")
+
+    def headroom(self, name: str) -> int:
+        """GPUs the team may still take within its guarantee: the least along its chain."""
+        return max(0, min(self.specs[t].quota_gpus - self.held[t] for t in self.chains[name]))
+
+    def kept(self, sim: Simulation, now: float) -> tuple[dict[str, tuple[int, float, str]], set[str]]:
+        """Teams kept from over-quota GPUs now: ``{team: (GPUs, bound_s, waiting job)}``, and the
+        teams with waiting work at all."""
+        waiting_teams: set[str] = set()
+        asking: dict[str, list[SimJob]] = {}
+        for name in self.specs:
+            room = self.headroom(name)
+            for jname in self.active[name]:
+                job = sim.jobs[jname]
+                if not _waiting(job):
+                    continue
+                waiting_teams.add(name)
+                if room > 0 and job.spec.dp_min * job.rep <= room:
+                    asking.setdefault(name, []).append(job)
+        if not asking:
+            return {}, waiting_teams
+        key = (sim.state_version, now)
+        if self._cache_key is not None and self._cache_key[0] == sim.state_version and now < self._cache_key[1]:
+            return self._cache[0], waiting_teams
+        kept, valid_until = self._kept_detail(sim, now, asking)
+        self._cache_key = (key[0], valid_until)
+        self._cache = (kept, waiting_teams)
+        return kept, waiting_teams
+
+    def _kept_detail(self, sim: Simulation, now: float, asking: dict[str, list[SimJob]]
+                     ) -> tuple[dict[str, tuple[int, float, str]], float]:
+        valid_until = float("inf")
+        # Over-quota GPUs the planner may reclaim, per victim class floor (rank of the asker).
+        excess = {n: max(0, self.held[n] - t.quota_gpus) for n, t in self.specs.items()}
+        eligible: dict[int, dict[str | None, list[SimJob]]] = {1: {}, 2: {}}
+        for name in sim.active_names:
+            v = sim.jobs[name]
+            held = len(v.gpus) + len(v.incoming)
+            if not held or v.spec.priority == "critical":
+                continue
+            if v.spec.team is not None and min(excess[t] for t in self.chains[v.spec.team]) <= 0:
+                continue
+            if v.run_started is not None and v.spec.min_run_s > 0 and now - v.run_started < v.spec.min_run_s:
+                valid_until = min(valid_until, v.run_started + v.spec.min_run_s)
+                continue
+            rank = PRIORITY_RANK[v.spec.priority]
+            for floor in (1, 2):
+                if rank >= floor:
+                    eligible[floor].setdefault(v.spec.team, []).append(v)
+        owned_per_node: dict[str, int] = {}
+        for g in sim.owner:
+            owned_per_node[g.node] = owned_per_node.get(g.node, 0) + 1
+        parked: dict[str, int] = {}
+        for name in sim.active_names:
+            for g in sim.jobs[name].parked:
+                parked[g.node] = parked.get(g.node, 0) + 1
+        free = {
+            n: node.gpus - owned_per_node.get(n, 0) - parked.get(n, 0)
+            for n, node in sim.nodes.items()
+            if n not in sim.down and sim.health[n] not in NON_PLACEABLE and n not in sim.pool_of_node
+        }
+        kept: dict[str, tuple[int, float, str]] = {}
+        for floor in (1, 2):
+            by_team = eligible[floor]
+            if not by_team:
+                continue
+            # What each victim can give back without exceeding its team's excess: the largest
+            # shrink (whole replicas, batch-exact) or its preemption that stays within it.
+            give = {v.spec.name: _freeable(v, min(excess[t] for t in self.chains[v.spec.team])
+                                           if v.spec.team is not None else 1 << 30)
+                    for jobs in by_team.values() for v in jobs}
+            by_team = {t: [v for v in jobs if give[v.spec.name] > 0] for t, jobs in by_team.items()}
+            direct = {t: sum(give[v.spec.name] for v in jobs) for t, jobs in by_team.items()}
+            take: dict[str, int] = {}
+
+            def takeable(team: str, direct: dict[str | None, int] = direct, take: dict[str, int] = take) -> int:
+                if team not in take:
+                    take[team] = min(excess[team], direct.get(team, 0) + sum(takeable(c) for c in self.children[team]))
+                return take[team]
+
+            roots = {r for r in self.root.values()}
+            per_root = {r: takeable(r) for r in roots}
+            for team, jobs in asking.items():
+                mine = [j for j in jobs if PRIORITY_RANK[j.spec.priority] == floor]
+                if not mine:
+                    continue
+                victims = [v for t, vs in by_team.items() if t is None or self.root[t] != self.root[team]
+                           and per_root[self.root[t]] > 0 for v in vs]
+                if not victims:
+                    continue
+                avail = direct.get(None, 0) + sum(n for r, n in per_root.items() if r != self.root[team])
+                cand: dict[str, int] = {}
+                for v in victims:
+                    mine_v: dict[str, int] = {}
+                    for g in v.gpus + v.incoming:
+                        mine_v[g.node] = mine_v.get(g.node, 0) + 1
+                    for node, n in mine_v.items():
+                        cand[node] = cand.get(node, 0) + min(n, give[v.spec.name])
+                fitting = [j for j in mine if _fits(j, free, cand, avail)]
+                if not fitting:
+                    continue
+                slow = max(sim.speed.values())
+                # Big replays batch both the arrival and the victims' release into planner slots.
+                bound_s = sim.config.reclaim_grace_s + 2.0 * sim.coalesce_s + max(
+                    v.spec.checkpoint.save_s + 2.0 * sim._nominal_step_s(v) * slow for v in victims)
+                gpus = min(self.headroom(team), avail, sum(j.spec.dp * j.rep for j in fitting))
+                prev = kept.get(team)
+                if prev is None or gpus > prev[0]:
+                    kept[team] = (gpus, bound_s, fitting[0].spec.name)
+        return kept, valid_until
+
+    # --- the result ---------------------------------------------------------------------------------
+
+    def result(self, sim: Simulation) -> dict[str, Any]:
+        """``teams``, ``jain_index`` and ``quota_shortfall`` for the result dict."""
+        rows = []
+        for name, spec in self.specs.items():
+            members = [j for j in sim.jobs.values() if j.spec.team is not None and name in self.chains[j.spec.team]
+                       and j.submitted]
+            waits = [(j.start_s if j.start_s is not None else sim.horizon) - j.spec.submit_s for j in members]
+            owed = self.owed_gpu_s[name]
+            rows.append({
+                "name": name,
+                "parent": spec.parent,
+                "quota_gpus": spec.quota_gpus,
+                "received_gpu_s": round(self.received_gpu_s[name], 3),
+                "demand_gpu_s": round(self.demand_gpu_s[name], 3),
+                "quota_shortfall": round(self.kept_gpu_s[name] / owed, 6) if owed else 0.0,
+                "median_queue_s": round(statistics.median(waits), 3) if waits else None,
+                "jobs": len(members),
+            })
+        leaves = [r for r in rows if not self.children[r["name"]] and r["demand_gpu_s"] > 0]
+        shares = [r["received_gpu_s"] / r["demand_gpu_s"] for r in leaves]
+        jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if shares and any(shares) else None
+        owed = sum(self.owed_gpu_s.values())
+        return {
+            "teams": rows,
+            "jain_index": round(jain, 6) if jain is not None else None,
+            "quota_shortfall": round(sum(self.kept_gpu_s.values()) / owed, 6) if owed else 0.0,
+        }
+
+
+def _waiting(job: SimJob) -> bool:
+    """Waiting work a quota speaks for: a queued regular or best-effort job holding nothing."""
+    return (job.activity == "waiting" and not job.gpus and not job.incoming and not job.recovering
+            and not job.dormant and not job.parked and job.spec.priority != "critical")
+
+
+def _freeable(job: SimJob, cap: int) -> int:
+    """The most GPUs ``job`` can give back in one victim option without exceeding ``cap``."""
+    from jobs.simulator.engine import _probe_job
+
+    held = len(job.gpus) + len(job.incoming)
+    if held <= cap:
+        return held
+    probe = _probe_job(job.spec)
+    d = held // job.rep
+    for target in range(job.spec.dp_min, d):
+        if (d - target) * job.rep <= cap and batch_divides(probe, target):
+            return (d - target) * job.rep
+    return 0
+
+
+def _fits(job: SimJob, free: dict[str, int], cand: dict[str, int], avail: int) -> bool:
+    """Whether the job's smallest layout needs the over-quota GPUs, and fits with them: TP groups
+    within a node, ``pp x dp_min`` of them."""
+    spec = job.spec
+    groups = spec.pp * spec.dp_min
+    need = groups * spec.tp
+    free_total = sum(max(0, n) for n in free.values())
+    if free_total >= need and sum(max(0, n) // spec.tp for n in free.values()) >= groups:
+        return False  # it fits in idle GPUs: whatever keeps it waiting, it is not a quota
+    if free_total + avail < need:
+        return False
+    nodes = set(free) | set(cand)
+    return sum((max(0, free.get(n, 0)) + cand.get(n, 0)) // spec.tp for n in nodes) >= groups
