@@ -34,6 +34,8 @@ from jobs.models import (
     PlannerControl,
     PlannerRun,
     Reservation,
+    Team,
+    TeamMembership,
 )
 
 
@@ -278,10 +280,27 @@ class JobAdmin(ActionAdmin):
 @admin.register(Reservation)
 class ReservationAdmin(ReadOnlyAdmin):
     # Created and edited through jobs.actions (validated and audited): the console and API.
-    list_display = ("name", "job", "gpus", "spares", "start_at", "end_at", "period_s", "active_s", "cancelled_at")
-    list_filter = ("job",)
-    search_fields = ("name", "job__name")
-    list_select_related = ("job",)
+    list_display = ("name", "job", "team", "gpus", "spares", "start_at", "end_at", "period_s", "active_s", "cancelled_at")
+    list_filter = ("team",)
+    search_fields = ("name", "job__name", "team__name")
+    list_select_related = ("job", "team")
+
+
+@admin.register(Team)
+class TeamAdmin(ReadOnlyAdmin):
+    # Created, edited and deleted through jobs.actions.teams (validated and audited): the API.
+    list_display = ("name", "parent", "quota_gpus", "borrow_limit_gpus", "weight", "created_at")
+    search_fields = ("name",)
+    list_select_related = ("parent",)
+
+
+@admin.register(TeamMembership)
+class TeamMembershipAdmin(ReadOnlyAdmin):
+    # Changed through jobs.actions.teams (audited): the API.
+    list_display = ("team", "user", "is_default", "created_at")
+    list_filter = ("team",)
+    search_fields = ("team__name", "user__username")
+    list_select_related = ("team", "user")
 
 
 @admin.register(Allocation)

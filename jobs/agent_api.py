@@ -120,6 +120,8 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
             actions.record_command_outcome(node, frame["command"], ok=frame["ok"], outcome=frame.get("outcome", {}))
         except actions.UnknownCommand as exc:
             return [error_frame("unknown_command", str(exc), frame["command"])]
+        except protocol.ProtocolError as exc:  # an outcome field out of bounds: nothing written
+            return [error_frame(exc.code, str(exc), frame["command"])]
         return []
     if kind == protocol.STEPS:
         newest, job_id = actions.record_step_records(node, frame["job"], frame["records"])

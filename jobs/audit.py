@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from django.db import connection, transaction
@@ -48,6 +49,20 @@ HASHED_FIELDS = (
 )
 
 
+def canonical_number(value: int | float) -> int | float:
+    """A number as it is hashed: integral values as integers, others as Python's shortest float.
+
+    PostgreSQL's ``jsonb`` keeps numbers as decimals and gives ``1e3`` or ``1e16`` back as the
+    integer ``1000`` / ``10000000000000000``; SQLite gives back the float that was stored. Both
+    hash the same because an integral float is hashed as the integer its shortest decimal
+    spells (``int(float)`` would not do: ``int(1e23)`` is 99999999999999991611392, while jsonb
+    gives back 10**23). Non-integral floats round-trip through jsonb's decimal unchanged.
+    """
+    if isinstance(value, float) and value.is_integer():
+        return int(Decimal(repr(value)))
+    return value
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -55,11 +70,10 @@ def _plain(value: Any) -> Any:
         return {str(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        # jsonb gives 1e3 back as 1000: hash integral floats as integers on every backend.
-        return int(value)
-    if value is None or isinstance(value, (str, int, float, bool)):
+    if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
+    if isinstance(value, (int, float)):
+        return canonical_number(value)
     return str(value)  # UUIDs
 
 

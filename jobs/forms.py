@@ -25,6 +25,7 @@ from jobs.models import (
     PlannerControl,
     Priority,
     Reservation,
+    Team,
 )
 from jobs.vocab import EVENT_KIND_LABELS, choices
 
@@ -178,7 +179,10 @@ class ReservationForm(forms.Form):
     """Create or edit a reservation; a recurring one has both a period and an active span."""
 
     name = forms.SlugField(max_length=128)
-    job = forms.ModelChoiceField(queryset=Job.objects.filter(priority=Priority.CRITICAL).order_by("name"))
+    job = forms.ModelChoiceField(queryset=Job.objects.filter(priority=Priority.CRITICAL).order_by("name"),
+                                 required=False, help_text="A critical job, or leave empty and choose a team.")
+    team = forms.ModelChoiceField(queryset=Team.objects.order_by("name"), required=False,
+                                  help_text="A team's reservation: for whichever of its critical jobs runs; it outlives them.")
     gpus = forms.IntegerField(min_value=1, label="GPUs")
     spares = forms.IntegerField(min_value=0, initial=0)
     start_at = forms.DateTimeField(label="Start (UTC)", widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
@@ -191,7 +195,7 @@ class ReservationForm(forms.Form):
         self.instance = instance
         if instance is not None and "initial" not in kwargs:
             kwargs["initial"] = {
-                "name": instance.name, "job": instance.job_id, "gpus": instance.gpus, "spares": instance.spares,
+                "name": instance.name, "job": instance.job_id, "team": instance.team_id, "gpus": instance.gpus, "spares": instance.spares,
                 "start_at": instance.start_at.strftime("%Y-%m-%dT%H:%M"),
                 "end_at": instance.end_at.strftime("%Y-%m-%dT%H:%M") if instance.end_at else None,
                 "period_s": instance.period_s, "active_s": instance.active_s,

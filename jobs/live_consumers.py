@@ -29,6 +29,7 @@ from jobs import roles
 from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, job_group, node_group
 from jobs.models import Job, Node
 from telemetry.metrics import websocket_closed, websocket_opened
+from trainer_agent.protocol import ProtocolError, loads_strict
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ MAX_KNOWN_OWNERS = 10_000
 
 CLOSE_NOT_SIGNED_IN = 4401
 CLOSE_NO_ROLE = 4403
+# A browser's messages are small subscribe requests.
+MAX_MESSAGE_CHARS = 4096
 
 
 def _subscription_check(user, stream: str, object_id: Any) -> tuple[str | None, int, str]:
@@ -55,8 +58,10 @@ def _subscription_check(user, stream: str, object_id: Any) -> tuple[str | None, 
         return None, 403, "only operators and auditors may follow the audit log"
     try:
         pk = int(object_id)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None, 400, f"stream {stream!r} needs a numeric id"
+    if not 0 < pk < 2**63:
+        return None, 400, f"stream {stream!r} needs an id of 1 or more that fits in 64 bits"
     if stream == "job":
         job = roles.visible_jobs(user, Job.objects.filter(pk=pk)).only("id", "owner_id").first()
         if job is None:
@@ -175,6 +180,23 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             self.flush_handle.cancel()
         for group in list(getattr(self, "joined", ())):
             await self.channel_layer.group_discard(group, self.channel_name)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs) -> None:
+        """Decode a message strictly (``protocol.loads_strict``): anything that is not a small
+        JSON text gets an error message, never a closed socket."""
+        if text_data is None:
+            await self.send_json({"type": "error", "status": 400, "message": "send JSON text, not binary"})
+            return
+        if len(text_data) > MAX_MESSAGE_CHARS:
+            await self.send_json({"type": "error", "status": 400,
+                                  "message": f"a message is at most {MAX_MESSAGE_CHARS} characters"})
+            return
+        try:
+            content = loads_strict(text_data)
+        except ProtocolError as exc:
+            await self.send_json({"type": "error", "status": 400, "message": str(exc)})
+            return
+        await self.receive_json(content)
 
     async def receive_json(self, content: Any, **kwargs) -> None:
         if not isinstance(content, dict):

@@ -35,6 +35,7 @@ from jobs.models import (
     Reservation,
 )
 from jobs.planner.wording import duration_words
+from jobs.team_data import team_standings
 from jobs.waiting import cannot_fit, pending_reason
 
 logger = logging.getLogger(__name__)
@@ -383,9 +384,12 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
     rendered on load and sent live as ``cluster_summary`` (jobs.live_events, which adds a
     utilisation point). Counts are the cluster's, for everyone; the queue names every waiting
     job with why it waits, and is cut per viewer (``jobs.live_consumers.payload_for_viewer``).
-    Seven queries (six with no job waiting, one less given the planner's ``control``), one of them
-    the jobs losing most GPU time (``losing_jobs``).
+    Nine queries (one less with no job waiting, one less with no team, one less given the planner's
+    ``control``), one of them
+    the jobs losing most GPU time (``losing_jobs``), two the teams' standings (one with no team; ``teams``:
+    jobs.team_data.team_standings, the console's team bars; no job named, so no cut).
     """
+
     now = now or timezone.now()
     nodes = {row["state"]: row for row in Node.objects.order_by().values("state").annotate(n=Count("id"), gpus=Sum("gpu_count"))}
     held = Allocation.objects.aggregate(allocated=Count("id"), borrowed=Count("id", filter=Q(borrowed_from__isnull=False)))
@@ -419,6 +423,7 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
             for job in queue
         ],
         "losing": losing_jobs(),
+        "teams": team_standings(gpus_total=gpus_total),
     }
 
 

@@ -1,4 +1,4 @@
-"""Page routes of the jobs app: dashboard, job pages, the operator console and the audit review."""
+"""Page routes of the jobs app: dashboard, job pages, the operator console, teams and the audit review."""
 
 from django.urls import path, re_path
 
@@ -16,6 +16,8 @@ urlpatterns = [
     path("console/reservations/new/", views.reservation_edit, name="console-reservation-new"),
     path("console/reservations/<int:pk>/edit/", views.reservation_edit, name="console-reservation-edit"),
     path("console/reservations/<int:pk>/cancel/", views.reservation_cancel, name="console-reservation-cancel"),
+    path("teams/", views.team_list, name="teams"),
+    path("teams/<int:pk>/", views.team_page, name="team-page"),
     path("audit/", views.audit, name="audit"),
     re_path(r"^audit/export\.(?P<fmt>csv|json)$", views.audit_export, name="audit-export"),
     path("vendor/plotly-<str:version>.min.js", views.plotly_js, name="plotly-js"),

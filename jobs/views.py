@@ -72,9 +72,11 @@ from jobs.models import (
     NodeState,
     PlannerControl,
     Reservation,
+    Team,
 )
 from jobs.planner.layout import fit_problems
 from jobs.planner.wording import plural
+from jobs.team_data import team_detail, team_standings, team_usage_series
 from jobs.waiting import waiting_note
 
 AUDIT_PAGE_SIZE = 100
@@ -445,7 +447,7 @@ def console(request: HttpRequest) -> HttpResponse:
     control = PlannerControl.load()
     summary = payload_for_user(user, "cluster_summary", cluster_summary(now, control=control))
     reservations = list(
-        Reservation.objects.select_related("job").filter(
+        Reservation.objects.select_related("job", "team").filter(
             Q(end_at__isnull=True) | Q(end_at__gte=now - timedelta(hours=6)), cancelled_at__isnull=True
         )[:100]
     )
@@ -453,7 +455,8 @@ def console(request: HttpRequest) -> HttpResponse:
     loans = loans_by_reservation()
     gantt = [
         {
-            "name": r.name, "job": roles.job_name_for(user, r.job.name, r.job.owner_id), "gpus": r.gpus,
+            "name": r.name, "gpus": r.gpus,
+            "job": f"team {r.team.name}" if r.team_id else roles.job_name_for(user, r.job.name, r.job.owner_id),
             "spares": r.spares,
             "windows": [[s.isoformat(), e.isoformat()] for s, e in reservation_windows(r, since, until)],
             "loans": [_gantt_loan(user, loan, until) for loan in loans.get(r.pk, [])],
@@ -557,7 +560,7 @@ def reservation_edit(request: HttpRequest, pk: int | None = None) -> HttpRespons
     if not roles.has_any_role(request.user):
         return render(request, "jobs/no_role.html", status=403)
     roles.require_operator(request.user, "create or edit reservations")
-    instance = get_object_or_404(Reservation.objects.select_related("job"), pk=pk) if pk else None
+    instance = get_object_or_404(Reservation.objects.select_related("job", "team"), pk=pk) if pk else None
     form = ReservationForm(request.POST or None, instance=instance)
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
@@ -588,6 +591,45 @@ def reservation_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     except ValidationError as exc:
         messages.error(request, "; ".join(exc.messages))
     return redirect(f"{_console_url()}#reservations")
+
+
+# -- teams (docs/teams.md) ------------------------------------------------------------------------
+
+
+@require_GET
+@any_role
+def team_list(request: HttpRequest) -> HttpResponse:
+    """Every team with its GPUs held now against its quota and borrowing limit (the console's bars),
+    members and weight; kept current from the live cluster summary."""
+    context = {**_page_context(request, "teams"), "teams": team_standings()}
+    return render(request, "jobs/teams.html", context)
+
+
+@require_GET
+@any_role
+def team_page(request: HttpRequest, pk: int) -> HttpResponse:
+    """One team: its standing, members, GPUs held against its quota over time (the allocation
+    history), its unfinished jobs as the viewer may see them, and its reservations."""
+    team = get_object_or_404(Team.objects.select_related("parent"), pk=pk)
+    range_key = request.GET.get("range", "24h")
+    if range_key not in RANGES:
+        range_key = "24h"
+    now = timezone.now()
+    detail = team_detail(team, request.user, now)
+    context = {
+        **_page_context(request, "teams"),
+        "team": team,
+        "detail": detail,
+        "children": list(team.children.order_by("name")),
+        "range_key": range_key,
+        "ranges": list(RANGES),
+        "team_data": {
+            "id": team.pk, "name": team.name, "since": (now - RANGES[range_key]).isoformat(), "now": now.isoformat(),
+            "usage": team_usage_series(team, now - RANGES[range_key], now),
+            "quota_gpus": team.quota_gpus, "borrow_limit_gpus": team.borrow_limit_gpus,
+        },
+    }
+    return render(request, "jobs/team_detail.html", context)
 
 
 # -- auditors: the review -----------------------------------------------------------------------
@@ -681,10 +723,12 @@ def chain_status(budget_rows: int = CHAIN_VERIFY_BUDGET_ROWS) -> dict[str, Any]:
     return {**state, "total": total, "complete": state["bad"] is None and state["checked"] >= total}
 
 
+# Every hashed field (jobs.audit.HASHED_FIELDS) plus id and hash, so anyone can recompute the
+# chain from an export with tools/verify_audit_export.py (docs/audit-log.md).
 EXPORT_COLUMNS = (
-    "id", "at", "kind", "job_name", "actor", "planner_run", "command", "refers_to_id", "nodes_before",
-    "nodes_after", "gpus_before", "gpus_after", "dp_before", "dp_after", "accum_before", "accum_after",
-    "global_batch", "reason", "outcome", "prev_hash", "hash",
+    "id", "at", "kind", "job_id", "job_name", "actor", "actor_user_id", "planner_run", "command", "refers_to_id",
+    "nodes_before", "nodes_after", "gpus_before", "gpus_after", "dp_before", "dp_after", "accum_before",
+    "accum_after", "global_batch", "reason", "outcome", "prev_hash", "hash",
 )
 
 

@@ -77,6 +77,12 @@ class EventKind(StrEnum):
     RUN_DIR_REMOVED = "run_dir_removed"
     TOKEN_ISSUED = "token_issued"
     USER_ADDED = "user_added"
+    TEAM_CREATED = "team_created"
+    TEAM_EDITED = "team_edited"
+    TEAM_DELETED = "team_deleted"
+    TEAM_MEMBER_ADDED = "team_member_added"
+    TEAM_MEMBER_REMOVED = "team_member_removed"
+    TEAM_DEFAULT_SET = "team_default_set"
 
 
 # The audit row each applied planner action writes. (A preempt that is not graceful is recorded
@@ -142,6 +148,12 @@ EVENT_KIND_LABELS: dict[EventKind, str] = {
     EventKind.RUN_DIR_REMOVED: "Run dir removed",
     EventKind.TOKEN_ISSUED: "API token issued",
     EventKind.USER_ADDED: "User added",
+    EventKind.TEAM_CREATED: "Team created",
+    EventKind.TEAM_EDITED: "Team edited",
+    EventKind.TEAM_DELETED: "Team deleted",
+    EventKind.TEAM_MEMBER_ADDED: "Team member added",
+    EventKind.TEAM_MEMBER_REMOVED: "Team member removed",
+    EventKind.TEAM_DEFAULT_SET: "Default team set",
 }
 
 

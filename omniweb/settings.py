@@ -9,6 +9,7 @@ read through the strict helpers in ``omniweb.env``; a bad value stops start-up n
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -81,6 +82,10 @@ try:
     # A node whose agent reports less free space than this in its runs dir takes no new work
     # (what runs there stays); 0 turns the check off.
     OMNI_MIN_FREE_DISK_BYTES = env_int("OMNI_MIN_FREE_DISK_BYTES", 2 * 1024**3, minimum=0)
+    # --- teams (docs/teams.md) ------------------------------------------------------------------
+    # Teams' past GPU usage decays with this half-life for fair share among borrowers (a week);
+    # OMNI_PLANNER_OVERRIDES' fair_share_half_life_s still wins.
+    OMNI_FAIR_SHARE_HALF_LIFE_S = env_float("OMNI_FAIR_SHARE_HALF_LIFE_S", 604800.0, minimum=0.0)
     # The run dirs of cancelled and failed jobs are removed this long after they finished.
     OMNI_RUN_DIR_RETENTION_S = env_float("OMNI_RUN_DIR_RETENTION_S", 7 * 86400.0, minimum=0.0)
     # How long the ranks' log lines are kept in the database (docs/logs.md); default 14 days.
@@ -102,6 +107,16 @@ try:
     # /metrics answers operators' sessions, or this bearer token (for Prometheus).
     OMNI_METRICS_TOKEN = env_str("OMNI_METRICS_TOKEN")
     # --- end telemetry -------------------------------------------------------------------------
+    # --- TLS behind a reverse proxy (docs/operators.md, "Deploying behind a TLS proxy") ------
+    # The header the TLS-terminating proxy sets to "https", e.g. X-Forwarded-Proto. Setting it
+    # turns on the HTTPS redirect and HSTS, which is what `manage.py check --deploy` asks for;
+    # unset (embedded mode, tests, plain-HTTP setups) nothing changes.
+    OMNI_TLS_PROXY_HEADER = env_str("OMNI_TLS_PROXY_HEADER")
+    if OMNI_TLS_PROXY_HEADER is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", OMNI_TLS_PROXY_HEADER):
+        raise EnvError(f"OMNI_TLS_PROXY_HEADER: expected a header name such as X-Forwarded-Proto, "
+                       f"got {OMNI_TLS_PROXY_HEADER!r}")
+    OMNI_HSTS_SECONDS = env_int("OMNI_HSTS_SECONDS", 365 * 86400, minimum=0)
+    OMNI_HSTS_PRELOAD = env_bool("OMNI_HSTS_PRELOAD", default=True)
     LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
     if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise EnvError(f"LOG_LEVEL: expected DEBUG/INFO/WARNING/ERROR/CRITICAL, got {LOG_LEVEL!r}")
@@ -209,6 +224,18 @@ CSRF_COOKIE_SAMESITE = "Lax"
 SESSION_COOKIE_SECURE = not DEBUG and not EMBEDDED
 CSRF_COOKIE_SECURE = not DEBUG and not EMBEDDED
 X_FRAME_OPTIONS = "DENY"
+
+if OMNI_TLS_PROXY_HEADER:
+    # Trust the proxy's word that the browser spoke HTTPS (the proxy must overwrite the header
+    # on every request: a client must never be able to set it), redirect plain HTTP, and
+    # tell browsers to come back only over HTTPS. /metrics is exempt: Prometheus scrapes each
+    # process directly (docs/telemetry.md).
+    SECURE_PROXY_SSL_HEADER = ("HTTP_" + OMNI_TLS_PROXY_HEADER.upper().replace("-", "_"), "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^metrics$"]
+    SECURE_HSTS_SECONDS = OMNI_HSTS_SECONDS
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = OMNI_HSTS_PRELOAD
 
 REST_FRAMEWORK = {
     # API tokens first (manage.py issue_api_token; no CSRF, like DRF's TokenAuthentication), so a

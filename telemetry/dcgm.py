@@ -1,8 +1,9 @@
 """Import GPU samples from NVIDIA dcgm-exporter's Prometheus text format.
 
 Lets an existing GPU cluster feed Omni without our agent: ``manage.py import_dcgm URL`` scrapes
-the exporter, maps each series' ``Hostname`` label to a Node (``--node-map`` when names
-differ), and sends one batch per node through the same ``ingest_gpu_batch`` as the agents.
+the exporter, maps each series' ``Hostname`` (``hostname`` in newer exporters) label to a Node
+(``--node-map`` when names differ), and sends one batch per node through the same
+``ingest_gpu_batch`` as the agents; DCGM's blank sentinels are skipped as "no reading".
 Metrics read: DCGM_FI_DEV_GPU_UTIL (%), DCGM_FI_DEV_FB_USED (MiB), DCGM_FI_DEV_POWER_USAGE (W),
 DCGM_FI_DEV_GPU_TEMP (C), DCGM_FI_DEV_XID_ERRORS (the last XID code; stored as 1 when non-zero,
 since the exporter reports no count). See docs/telemetry.md.
@@ -30,6 +31,16 @@ DCGM_FIELDS = {
     "DCGM_FI_DEV_GPU_TEMP": "temp_c",
     "DCGM_FI_DEV_XID_ERRORS": "xid_errors",
 }
+# The label naming the exporter's host: ``Hostname`` up to dcgm-exporter 3.x, ``hostname`` in
+# later releases; the first non-empty one wins.
+HOST_LABELS = ("Hostname", "hostname")
+# DCGM's "no value" sentinels (dcgm_structs.h), which the exporter prints as numbers: blank,
+# not found, not supported and not permissioned are BLANK + 0..3 (up to +15 reserved) for
+# int32 (0x7ffffff0, 2147483632), int64 (0x7ffffffffffffff0, 9223372036854775792; e.g.
+# 9223372036854775794 is "not supported") and fp64 (2**47 = 140737488355328.0). No field
+# imported here can reach 2**47 honestly, so everything from there up is a sentinel.
+DCGM_INT32_BLANK = 0x7FFFFFF0
+DCGM_FP64_BLANK = 140737488355328.0
 MIB = 1024 * 1024
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -76,6 +87,16 @@ def parse_exposition(text: str) -> Iterator[PromSample]:
         yield PromSample(match["name"], labels, value, int(match["ts"]) if match["ts"] else None)
 
 
+def is_dcgm_blank(value: float) -> bool:
+    """True for DCGM's sentinels that mean "no value" (see DCGM_INT32_BLANK)."""
+    return value >= DCGM_FP64_BLANK or DCGM_INT32_BLANK <= value <= DCGM_INT32_BLANK + 15
+
+
+def host_of(labels: dict[str, str]) -> str:
+    """The exporter's host name from a series' labels, or ``""``."""
+    return next((labels[name] for name in HOST_LABELS if labels.get(name)), "")
+
+
 @dataclass
 class ScrapeResult:
     """What one scrape produced: batches per node, and hosts with no matching node."""
@@ -92,11 +113,13 @@ def samples_by_host(text: str, scraped_at_s: float) -> dict[str, dict[tuple[int,
         field_name = DCGM_FIELDS.get(sample.name)
         if field_name is None or "gpu" not in sample.labels or not math.isfinite(sample.value):
             continue
+        if is_dcgm_blank(sample.value):
+            continue  # the exporter has no reading (a field this GPU does not support, say)
         try:
             gpu = int(sample.labels["gpu"])
         except ValueError:
             continue
-        host = sample.labels.get("Hostname", "")
+        host = host_of(sample.labels)
         at_s = sample.timestamp_ms / 1000.0 if sample.timestamp_ms is not None else scraped_at_s
         row = hosts.setdefault(host, {}).setdefault((gpu, at_s), {"gpu": gpu, "at": at_s})
         if field_name == "mem_used_bytes":
@@ -120,7 +143,7 @@ def import_text(text: str, *, source: str, seq: int, node_map: dict[str, str] | 
     for host, rows in grouped.items():
         node = nodes.get(names[host])
         if node is None:
-            result.unknown_hosts.add(host or "<no Hostname label>")
+            result.unknown_hosts.add(host or "<no Hostname or hostname label>")
             continue
         # Rows missing utilisation or memory (an exporter configured without them) are skipped.
         samples = [row for row in rows.values() if "util_pct" in row and "mem_used_bytes" in row]

@@ -192,7 +192,11 @@ def _authorised(request: HttpRequest) -> int | None:
     token = settings.OMNI_METRICS_TOKEN
     if header:
         scheme, _, given = header.partition(" ")
-        if token and scheme.lower() == "bearer" and secrets.compare_digest(given.strip(), token):
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters (a TypeError,
+        # once a 500 for any Authorization header outside ASCII). Headers arrive as latin-1.
+        if token and scheme.lower() == "bearer" and secrets.compare_digest(
+            given.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8", "surrogateescape")
+        ):
             return None
         return 403
     if request.user.is_authenticated:

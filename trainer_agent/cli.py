@@ -1,7 +1,7 @@
 """``omni``: the researcher's command line over the REST API (docs/cli.md, docs/api.md).
 
 It submits a job from a TOML file, lists and explains jobs, follows their logs and cancels them,
-with an API token (``Authorization: Token``). Like the rest of ``trainer_agent`` it imports no
+and shows teams' quotas (docs/teams.md), with an API token (``Authorization: Token``). Like the rest of ``trainer_agent`` it imports no
 Django: it runs on laptops and login nodes and speaks only the documented API (stdlib HTTP).
 Exit codes: 0 ok, 1 the server or the network failed (or ``--wait`` saw the job fail), 2 the
 user's input was wrong (usage, a bad job file, a 400 or an unknown job).
@@ -39,7 +39,7 @@ NOT_CONSIDERED = "The planner has not considered this job yet."
 # The job file's keys: POST /api/jobs/'s fields (jobs.api.serializers.JobSubmitSerializer), with
 # the TOML type each must have. Checked here so a mistake names its line, not only its field.
 SPEC_FIELDS: dict[str, str] = {
-    "name": "string", "priority": "string", "workdir": "string", "integration": "string",
+    "name": "string", "priority": "string", "workdir": "string", "integration": "string", "team": "string",
     "tp": "integer", "pp": "integer", "dp": "integer", "dp_min": "integer", "dp_max": "integer",
     "global_batch": "integer", "micro_batch": "integer", "total_steps": "integer", "min_run_s": "integer",
     "checkpoint_every_steps": "integer", "max_restarts": "integer", "keep_checkpoints": "integer",
@@ -626,6 +626,82 @@ def nodes(ctx: Ctx) -> None:
     table(["NAME", "RACK", "SWITCH", "STATE", "GPUS", "MODEL", "HEARTBEAT"],
           [[n["name"], n["rack"], n["switch"], n["state"], f"{n.get('gpus_allocated', 0)}/{n['gpu_count']}",
             n["gpu_model"], when(n.get("last_heartbeat_at"))] for n in rows], "No nodes.")
+
+
+# -- teams (docs/teams.md) ------------------------------------------------------------------------
+
+def limit_words(limit: int | None) -> str:
+    return "no limit" if limit is None else str(limit)
+
+
+def borrow_room_words(team: dict) -> str:
+    """What the team may still take: within its quota, and borrowed beyond it."""
+    held, quota, limit = team["gpus_held"], team["quota_gpus"], team.get("borrow_limit_gpus")
+    within = max(0, quota - held)
+    if limit is None:
+        beyond = "any idle GPU beyond its quota"
+    else:
+        left = max(0, limit - max(0, held - quota))
+        beyond = f"{left} more beyond its quota" if left else "nothing more beyond its quota (at its borrowing limit)"
+    return f"{within} GPUs within its quota, then {beyond}"
+
+
+def find_team(api: Api, ref: str | None) -> dict:
+    """A team by name (or id); none named: the caller's default team. Unknown: a 404 (exit 2)."""
+    if ref is None:
+        mine = list(api.pages("/api/teams/", [("mine", "true"), ("limit", 200)]))
+        chosen = next((t for t in mine if t.get("default")), mine[0] if len(mine) == 1 else None)
+        if chosen is None:
+            raise Failure("you are in no team" + (" with a default" if mine else "") +
+                          ": name one (omni teams lists them)", 2)
+        return api.get(f"/api/teams/{chosen['id']}/")
+    for row in api.pages("/api/teams/", [("limit", 200)]):
+        if row["name"] == ref or str(row["id"]) == ref:
+            return api.get(f"/api/teams/{row['id']}/")
+    raise ApiError(404, {"detail": f"no team {ref!r} (omni teams lists them)"})
+
+
+@command()
+def teams(ctx: Ctx) -> None:
+    """Every team: GPUs in use against its quota, borrowing limit, weight."""
+    rows = list(ctx.api.pages("/api/teams/", [("limit", 200)]))
+    if ctx.as_json:
+        emit_json(rows)
+        return
+    table(["NAME", "PARENT", "GPUS/QUOTA", "BORROW LIMIT", "WEIGHT", "MEMBERS"],
+          [[t["name"], t.get("parent") or "-", f"{t['gpus_held']}/{t['quota_gpus']}", limit_words(t.get("borrow_limit_gpus")),
+            f"{t['weight']:g}", t.get("members_count", "")] for t in rows], "No teams.")
+
+
+@command()
+@click.argument("team", required=False)
+def quota(ctx: Ctx, team: str | None) -> None:
+    """A team's GPUs against its quota, what it may still borrow, its running and waiting jobs
+    (TEAM: a name or id; default: your default team)."""
+    row = find_team(ctx.api, team)
+    if ctx.as_json:
+        emit_json(row)
+        return
+    running = [j for j in row["jobs"] if j["state"] not in WAITING_STATES]
+    waiting = [j for j in row["jobs"] if j["state"] in WAITING_STATES]
+    fields = [
+        ("team", row["name"] + (f" (in {row['parent']})" if row.get("parent") else "")),
+        ("quota", f"{row['quota_gpus']} GPUs guaranteed, borrowing limit {limit_words(row.get('borrow_limit_gpus'))}, "
+                  f"weight {row['weight']:g}"),
+        ("in use", row["words"]),
+        ("may take", borrow_room_words(row)),
+        ("running", f"{len(running)} jobs on {sum(j.get('gpus', 0) for j in running)} GPUs"),
+        ("waiting", f"{len(waiting)} jobs"),
+        ("page", f"{ctx.api.url}/teams/{row['id']}/"),
+    ]
+    width = max(len(name) for name, _ in fields)
+    for name, value in fields:
+        click.echo(f"{name.ljust(width)}  {value}")
+    if row["jobs"]:
+        click.echo("")
+        table(["ID", "NAME", "OWNER", "PRIORITY", "STATE", "GPUS"],
+              [[j["id"], j["name"], j.get("owner", ""), j["priority"], j["state"], j.get("gpus", 0)]
+               for j in running + waiting], "")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ One module per domain; callers use this package's names (``actions.submit_job``)
 - ``agents``: what agents report: hello, heartbeats, step records, worker exits; fencing;
 - ``edits``: what an operator's edit of a node or a job shares (the checked copy, before/after);
 - ``logs``: the ranks' log lines agents ship (stored once, sent live) and their pruning;
+- ``teams``: create, edit and delete teams; add and remove members, set a member's default team
+  (docs/teams.md);
 - ``housekeeping``: checkpoint storage hygiene: the run dirs of cancelled and failed jobs
   removed after retention, audited (docs/storage.md).
 
@@ -85,6 +87,15 @@ from jobs.actions.reservations import (
     update_reservation,
 )
 from jobs.actions.rhythm import observe_step_records
+from jobs.actions.teams import (
+    TEAM_EDITABLE,
+    add_team_member,
+    create_team,
+    delete_team,
+    edit_team,
+    remove_team_member,
+    set_default_team,
+)
 from jobs.models.commands import CommandState
 from jobs.models.states import IllegalTransition
 
@@ -97,6 +108,13 @@ __all__ = [
     "OPEN_COMMAND_STATES",
     "PLANNER_LOCK_KEY",
     "RESERVATION_EDITABLE",
+    "TEAM_EDITABLE",
+    "add_team_member",
+    "create_team",
+    "delete_team",
+    "edit_team",
+    "remove_team_member",
+    "set_default_team",
     "CommandState",
     "IllegalTransition",
     "LogsRefused",

@@ -51,15 +51,12 @@ def fence_stray_workers(node: Node, workers: list[dict[str, Any]]) -> list[Comma
         Command.objects.filter(node=node, kind=CommandKind.STOP, state__in=OPEN_COMMAND_STATES)
         .values_list("job__name", flat=True)
     )
-    for worker in workers:
-        name = worker.get("job")
-        if not isinstance(name, str) or name in placed or name in open_stops:
-            continue
-        job = Job.objects.filter(name=name).first()
-        if job is None:
-            continue
+    # Each stray job once, however many times the agent lists it (one hello naming one worker
+    # 2,000 times must not write 2,000 stops), and its jobs found in one query.
+    strays = {w.get("job") for w in workers if isinstance(w.get("job"), str)} - placed - open_stops
+    for job in Job.objects.filter(name__in=strays).order_by("name") if strays else ():
         fenced += write_stop_commands(job, [node])
-        control_logger.warning("fencing %s on %s: the job is not placed there", name, node.name)
+        control_logger.warning("fencing %s on %s: the job is not placed there", job.name, node.name)
     if fenced:
         dispatch_on_commit({node.id})
     return fenced
@@ -82,7 +79,8 @@ def record_heartbeat(node: Node, workers: list[dict[str, Any]], disk: Any = None
         _heartbeat_heals(node)
     placed = set(Allocation.objects.filter(node=node).values_list("job_id", flat=True))
     placed_names = set(Job.objects.filter(id__in=placed).values_list("name", flat=True))
-    strays = [w for w in workers if w.get("state") not in ("member", "exited") and w.get("job") not in placed_names]
+    strays = [w for w in workers if w.get("state") not in ("member", "exited") and isinstance(w.get("job"), str)
+              and w["job"] not in placed_names]
     if strays:
         fence_stray_workers(node, strays)
     for worker in workers:

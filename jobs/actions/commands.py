@@ -41,6 +41,7 @@ from jobs.models import Allocation, Command, ElasticEvent, Job, JobState, Node, 
 from jobs.models.commands import CommandState
 from jobs.models.jobs import ACTIVE_JOB_STATES, Integration
 from jobs.vocab import LAUNCH_COMMANDS, CommandKind, EventKind
+from trainer_agent.protocol import ProtocolError
 
 OPEN_COMMAND_STATES = (CommandState.PENDING, CommandState.SENT, CommandState.ACKED)
 
@@ -300,16 +301,59 @@ def record_command_ack(node: Node, command_id: str) -> Command:
     return command
 
 
+# The fields of a ``done`` outcome that are kept (in the command and its audit row), each with
+# what it may hold: (types, lowest, highest) for numbers, (str, -, most characters) for text.
+# Anything else is dropped; a kept field outside its bounds refuses the whole outcome, so no
+# number a job page, the planner or the audit hash cannot represent is ever stored.
+ERROR_TAIL_CHARS = 4000
+_SECONDS = ((int, float), 0, 10_000_000)  # about 115 days
+_STEP = ((int,), 0, 2**53)
+OUTCOME_FIELDS: dict[str, tuple[tuple[type, ...], int, int]] = {
+    "checkpoint_step": _STEP,
+    "step": _STEP,
+    "save_s": _SECONDS,
+    "load_s": _SECONDS,
+    "exit_s": _SECONDS,
+    "grace_s": _SECONDS,
+    "pid": ((int,), 0, 2**31 - 1),
+    "code": ((int,), -(2**31), 2**31 - 1),
+    "bytes_freed": ((int,), 0, 2**63 - 1),
+    "killed": ((bool,), 0, 1),
+    "removed": ((bool,), 0, 1),
+    "error": ((str,), 0, 1 << 20),  # kept to its last ERROR_TAIL_CHARS, where a traceback ends
+    "outcome": ((str,), 0, 64),
+    "run_id": ((str,), 0, 64),
+}
+
+
+def checked_outcome(outcome: dict[str, Any]) -> dict[str, Any]:
+    """The kept fields of an agent's outcome; raises ProtocolError (``bad_outcome``) naming the
+    first field of the wrong type or out of bounds. ``null`` is allowed for every field."""
+    clean: dict[str, Any] = {}
+    for key, (kinds, low, high) in OUTCOME_FIELDS.items():
+        if key not in outcome:
+            continue
+        value = outcome[key]
+        if value is not None:
+            if isinstance(value, bool) != (kinds == (bool,)) or not isinstance(value, kinds):
+                raise ProtocolError("bad_outcome", f"outcome field {key!r} must be {kinds[0].__name__}")
+            size = len(value) if isinstance(value, str) else value
+            if not (isinstance(value, bool) or low <= size <= high):
+                what = "characters" if isinstance(value, str) else "a value"
+                raise ProtocolError("bad_outcome", f"outcome field {key!r} needs {what} within {low}-{high}")
+        clean[key] = value[-ERROR_TAIL_CHARS:] if key == "error" and value else value
+    return clean
+
+
 @transaction.atomic
 def record_command_outcome(node: Node, command_id: str, *, ok: bool, outcome: dict[str, Any]) -> Command:
-    """The agent finished a command. Applies its effect once; a duplicate ``done`` is ignored."""
+    """The agent finished a command. Applies its effect once; a duplicate ``done`` is ignored.
+    An outcome with a field out of bounds (``checked_outcome``) is refused before anything is written."""
+    clean = checked_outcome(outcome)
     command = _own_command(node, command_id)
     if command.is_terminal:
         return command
     fields = _to_acked(command)
-    clean = {k: outcome.get(k) for k in ("checkpoint_step", "save_s", "load_s", "step", "error", "outcome", "pid",
-                                         "run_id", "exit_s", "grace_s", "killed", "code", "removed", "bytes_freed")
-             if k in outcome}
     command.outcome = clean
     command.error = str(outcome.get("error") or "")[:2000]
     fields += command.transition_to(CommandState.DONE if ok else CommandState.FAILED)

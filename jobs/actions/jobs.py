@@ -18,8 +18,19 @@ from django.utils import timezone
 from jobs.actions._common import actor_name, describe_changes, release_allocations, trigger_plan_with_broker
 from jobs.actions.commands import dispatch_on_commit, write_stop_commands
 from jobs.actions.edits import FieldErrors, changed_facts, refuse_invalid, wait_for_planner, with_changes
+from jobs.actions.teams import default_team, is_member
 from jobs.audit import record_event
-from jobs.models import Allocation, Integration, Job, JobState, Node, PlannerControl, Priority, Reservation
+from jobs.models import (
+    Allocation,
+    Integration,
+    Job,
+    JobState,
+    Node,
+    PlannerControl,
+    Priority,
+    Reservation,
+    Team,
+)
 from jobs.models.jobs import ACTIVE_JOB_STATES, reference_entrypoint
 from jobs.planner.layout import fit_problems
 from jobs.roles import is_operator, require_job_actor, require_operator
@@ -121,6 +132,27 @@ def env_names(env: dict[str, str]) -> list[str]:
     return sorted(env)
 
 
+class _DefaultTeam:
+    """A submit that names no team: it goes to the submitter's default team (docs/teams.md)."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_TEAM"
+
+
+DEFAULT_TEAM: Any = _DefaultTeam()
+
+
+def submission_team(owner, team: Team | None | _DefaultTeam, errors: FieldErrors) -> Team | None:
+    """The team a job submitted by ``owner`` runs under: the one named (``None``: no team, it only
+    borrows), else the owner's default team. A researcher submits only to a team they are in, an
+    operator to any; a refusal goes into ``errors`` under ``team``."""
+    if isinstance(team, _DefaultTeam):
+        return default_team(owner)
+    if team is not None and not is_operator(owner) and not is_member(owner, team):
+        errors["team"] = [f"you are not in team {team.name}: submit to a team you belong to (or ask an operator)"]
+    return team
+
+
 @dataclass
 class SubmissionCheck:
     """What ``check_submission`` found: the job as it would be saved (unsaved), the problems by
@@ -162,6 +194,7 @@ def check_submission(
     grace_s: float = 30.0,
     max_restarts: int = 0,
     keep_checkpoints: int = 3,
+    team: Team | None = DEFAULT_TEAM,
 ) -> SubmissionCheck:
     """Every rule ``submit_job`` applies, without writing anything: the submit form's live
     preview asks it, ``submit_job`` asks it and refuses what it finds (docstring there). A
@@ -193,9 +226,11 @@ def check_submission(
         errors["name"] = [f"a job named {name!r} already exists"]
     if min_run_s is None:
         min_run_s = PlannerControl.load().min_run_s if priority == Priority.REGULAR else 0
+    team = submission_team(owner, team, errors)
     job = Job(
         name=name,
         owner=owner,
+        team=team,
         priority=priority,
         tp=tp,
         pp=pp,
@@ -259,8 +294,10 @@ def submit_job(owner, *, priority: str, **spec: Any) -> Job:
             "rule": "submit",
             "text": f"{owner.get_username()} submitted {job.name} ({job.get_priority_display().lower()}, "
             f"{job.tp}x{job.pp}x{job.dp} = {job.gpus_wanted} GPUs, global batch {job.global_batch}), running "
-            f"{entrypoint_words(job.entrypoint)} ({job.integration}).",
+            f"{entrypoint_words(job.entrypoint)} ({job.integration})"
+            f"{f' for team {job.team.name}' if job.team_id else ''}.",
             "inputs": {
+                "team": job.team.name if job.team_id else None,
                 "tp": job.tp, "pp": job.pp, "dp": job.dp, "dp_min": job.dp_min, "dp_max": job.dp_max,
                 "entrypoint": job.entrypoint, "workdir": job.workdir, "env": env_names(job.env),
                 "integration": job.integration, "grace_s": job.grace_s, "max_restarts": job.max_restarts,

@@ -1,4 +1,5 @@
-"""Reservations: an operator guarantees a critical job GPUs over a span, edits or cancels it."""
+"""Reservations: an operator guarantees GPUs over a span to a critical job or to a team (whichever
+of its critical jobs runs: docs/teams.md), edits or cancels it."""
 
 from __future__ import annotations
 
@@ -11,26 +12,32 @@ from django.utils import timezone
 
 from jobs.actions._common import actor_name
 from jobs.audit import record_event
-from jobs.models import Job, Priority, Reservation
+from jobs.models import Job, Priority, Reservation, Team
 from jobs.planner.wording import duration_words
 from jobs.roles import require_operator
 from jobs.vocab import EventKind
 
-RESERVATION_EDITABLE = ("gpus", "spares", "start_at", "end_at", "period_s", "active_s")
+# ``team``: a job's reservation handed to its team, so that it outlives the job (docs/teams.md).
+RESERVATION_EDITABLE = ("gpus", "spares", "start_at", "end_at", "period_s", "active_s", "team")
 
 
 def _validate_reservation(reservation: Reservation) -> None:
     errors: dict[str, str] = {}
-    job = reservation.job
-    if job.priority != Priority.CRITICAL:
-        errors["job"] = f"job {job.name!r} is {job.priority}; only critical jobs hold reservations"
-    elif job.is_terminal:
-        errors["job"] = f"job {job.name!r} is {job.state}; it needs no reservation"
-    if reservation.gpus and reservation.gpus % job.replica_gpus:
-        errors["gpus"] = (
-            f"{reservation.gpus} GPUs is not a whole number of {job.name}'s replicas "
-            f"({job.tp}x{job.pp} = {job.replica_gpus} GPUs each)"
-        )
+    job, team = reservation.job, reservation.team
+    if (job is None) == (team is None):
+        errors["job" if job is None else "team"] = "a reservation is for one critical job or for one team"
+    elif job is not None:
+        # A finished job needs none; its team's next critical job may have one (a team reservation).
+        if job.priority != Priority.CRITICAL:
+            errors["job"] = f"job {job.name!r} is {job.priority}; only critical jobs hold reservations"
+        elif job.is_terminal:
+            team_words = f" (a reservation for team {job.team.name} outlives its jobs)" if job.team_id else ""
+            errors["job"] = f"job {job.name!r} is {job.state}; it needs no reservation{team_words}"
+        if reservation.gpus and reservation.gpus % job.replica_gpus:
+            errors["gpus"] = (
+                f"{reservation.gpus} GPUs is not a whole number of {job.name}'s replicas "
+                f"({job.tp}x{job.pp} = {job.replica_gpus} GPUs each)"
+            )
     if (reservation.period_s is None) != (reservation.active_s is None):
         errors["period_s"] = "a recurring reservation needs both period_s and active_s"
     elif reservation.period_s is not None and not 0 < reservation.active_s <= reservation.period_s:
@@ -43,6 +50,8 @@ def _validate_reservation(reservation: Reservation) -> None:
 
 def _reservation_facts(reservation: Reservation) -> dict[str, Any]:
     return {
+        "job": reservation.job.name if reservation.job_id else None,
+        "team": reservation.team.name if reservation.team_id else None,
         "gpus": reservation.gpus,
         "spares": reservation.spares,
         "start_at": reservation.start_at.isoformat(),
@@ -57,20 +66,23 @@ def create_reservation(
     actor,
     *,
     name: str,
-    job: Job,
     gpus: int,
     start_at: datetime,
     spares: int = 0,
     end_at: datetime | None = None,
     period_s: int | None = None,
     active_s: int | None = None,
+    job: Job | None = None,
+    team: Team | None = None,
 ) -> Reservation:
-    """Guarantee ``gpus`` to a critical job over a span (optionally recurring)."""
+    """Guarantee ``gpus`` over a span (optionally recurring) to a critical job, or to a team: then
+    to whichever of its critical jobs runs, the earliest submitted first, whether or not one
+    exists yet (the planner resolves it on every pass)."""
     require_operator(actor, "create reservations")
     if Reservation.objects.filter(name=name).exists():
         raise ValidationError({"name": f"a reservation named {name!r} already exists"})
     reservation = Reservation(
-        name=name, job=job, gpus=gpus, spares=spares, start_at=start_at, end_at=end_at,
+        name=name, job=job, team=team, gpus=gpus, spares=spares, start_at=start_at, end_at=end_at,
         period_s=period_s, active_s=active_s, created_by=actor,
     )
     _validate_reservation(reservation)
@@ -84,7 +96,8 @@ def create_reservation(
         gpus_after=gpus,
         reason={
             "rule": "reserve",
-            "text": f"{actor_name(actor)} reserved {gpus} GPUs (+{spares} spares) for {job.name} "
+            "text": f"{actor_name(actor)} reserved {gpus} GPUs (+{spares} spares) for "
+            f"{job.name if job is not None else f'team {team.name}'} "
             f"from {start_at:%Y-%m-%d %H:%M} UTC, {window}.",
             "inputs": {"reservation": name, **_reservation_facts(reservation)},
         },
@@ -105,8 +118,12 @@ def update_reservation(reservation: Reservation, actor, **changes: Any) -> Reser
     before = _reservation_facts(reservation)
     for field, value in changes.items():
         setattr(reservation, field, value)
+    fields = list(changes)
+    if changes.get("team") is not None and reservation.job_id is not None:
+        reservation.job = None  # handed to the team: it no longer ends with its job
+        fields.append("job")
     _validate_reservation(reservation)
-    reservation.save(update_fields=list(changes))
+    reservation.save(update_fields=fields)
     record_event(
         EventKind.RESERVATION_CHANGE,
         job=reservation.job,
@@ -116,7 +133,8 @@ def update_reservation(reservation: Reservation, actor, **changes: Any) -> Reser
         gpus_after=reservation.gpus,
         reason={
             "rule": "reservation_change",
-            "text": f"{actor_name(actor)} changed reservation {reservation.name}.",
+            "text": f"{actor_name(actor)} changed reservation {reservation.name}"
+            f"{f' (now for team {reservation.team.name})' if 'job' in fields else ''}.",
             "inputs": {"before": before, "after": _reservation_facts(reservation)},
         },
     )

@@ -8,16 +8,18 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from jobs.models import BatchInvariantError, IllegalTransition
+from jobs.models import BatchInvariantError, IllegalTransition, TeamInUse
 
 
 def exception_handler(exc, context):
-    """Map domain exceptions to HTTP: IllegalTransition 409, ValidationError 400, PermissionDenied 403."""
+    """Map domain exceptions to HTTP: IllegalTransition and TeamInUse 409, ValidationError 400, PermissionDenied 403."""
     if isinstance(exc, IllegalTransition):
         return Response(
             {"detail": str(exc), "state": exc.current, "requested": exc.target, "allowed": sorted(exc.allowed)},
             status=status.HTTP_409_CONFLICT,
         )
+    if isinstance(exc, TeamInUse):
+        return Response({"detail": str(exc), "holders": exc.holders}, status=status.HTTP_409_CONFLICT)
     if isinstance(exc, DjangoValidationError):
         body = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         return Response(body, status=status.HTTP_400_BAD_REQUEST)

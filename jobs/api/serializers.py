@@ -11,7 +11,7 @@ from rest_framework import serializers
 from jobs import roles
 from jobs.actions import jobs as job_actions
 from jobs.live_data import rhythm_summary
-from jobs.models import Allocation, ElasticEvent, Integration, Job, Node, Priority, Reservation
+from jobs.models import Allocation, ElasticEvent, Integration, Job, Node, Priority, Reservation, Team
 
 UNKNOWN_FIELD = "Unknown field."
 READ_ONLY_FIELD = "This field is read-only."
@@ -77,6 +77,8 @@ class JobSerializer(serializers.ModelSerializer):
     """A job in full, or its summary (``roles.summarise``) for a viewer who may see only that."""
 
     owner = serializers.CharField(source="owner.username", read_only=True)
+    team = serializers.CharField(source="team.name", default=None, read_only=True,
+                                 help_text="The team whose quota it runs under (docs/teams.md); null: none.")
     gpus = serializers.SerializerMethodField()
     allocations = AllocationSerializer(many=True, read_only=True)
     env = serializers.SerializerMethodField(help_text=f"The extra environment's names; every value reads {MASKED_VALUE!r}.")
@@ -87,7 +89,7 @@ class JobSerializer(serializers.ModelSerializer):
     class Meta:
         model = Job
         fields = [
-            "id", "name", "owner", "priority", "state", "tp", "pp", "dp", "dp_min", "dp_max",
+            "id", "name", "owner", "team", "priority", "state", "tp", "pp", "dp", "dp_min", "dp_max",
             "global_batch", "micro_batch", "accum_steps", "total_steps", "committed_steps", "step_s",
             "comm_fraction", "min_run_s", "checkpoint_every_steps", "checkpoint_save_s", "checkpoint_load_s",
             "last_checkpoint_step", "last_checkpoint_at", "measured_save_s", "measured_load_s",
@@ -123,6 +125,11 @@ class JobSubmitSerializer(StrictFields, serializers.Serializer):
 
     name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", max_length=128)
     priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.REGULAR)
+    team = serializers.SlugRelatedField(
+        slug_field="name", queryset=Team.objects.all(), required=False, allow_null=True,
+        help_text="The team it runs under: omitted, the submitter's default team; null, none (it only borrows). "
+                  "Researchers: a team they are in.",
+    )
     tp = serializers.IntegerField(min_value=1, max_value=64, default=1)
     pp = serializers.IntegerField(min_value=1, max_value=128, default=1)
     dp = serializers.IntegerField(min_value=1, max_value=4096)
@@ -187,12 +194,19 @@ class NodeRegisterSerializer(StrictFields, serializers.Serializer):
 
 
 class ReservationSerializer(StrictFields, serializers.ModelSerializer):
-    job = serializers.SlugRelatedField(slug_field="name", queryset=Job.objects.all())
+    """A reservation for one critical job (``job``) or for a team's critical jobs (``team``)."""
+
+    job = serializers.SlugRelatedField(slug_field="name", queryset=Job.objects.all(), required=False, allow_null=True)
+    team = serializers.SlugRelatedField(
+        slug_field="name", queryset=Team.objects.all(), required=False, allow_null=True,
+        help_text="A team's reservation: its GPUs go to whichever of the team's critical jobs runs, and it outlives "
+                  "them. On an edit, hands a job's reservation to its team.",
+    )
 
     class Meta:
         model = Reservation
         fields = [
-            "id", "name", "job", "gpus", "spares", "start_at", "end_at", "period_s", "active_s",
+            "id", "name", "job", "team", "gpus", "spares", "start_at", "end_at", "period_s", "active_s",
             "created_at", "cancelled_at",
         ]
         read_only_fields = ["id", "created_at", "cancelled_at"]
@@ -203,9 +217,33 @@ class ReservationSerializer(StrictFields, serializers.ModelSerializer):
     def to_representation(self, reservation: Reservation) -> dict:
         data = super().to_representation(reservation)
         request = self.context.get("request")
-        if request is not None and roles.job_visibility(request.user, reservation.job) is roles.Visibility.NONE:
+        if (request is not None and reservation.job_id is not None
+                and roles.job_visibility(request.user, reservation.job) is roles.Visibility.NONE):
             data["job"] = None  # a job the viewer may not know of (OMNI_JOB_VISIBILITY=own)
         return data
+
+
+# -- teams (docs/teams.md) ---------------------------------------------------------------------------
+
+
+class TeamWriteSerializer(StrictFields, serializers.Serializer):
+    """What an operator sends to create (``name`` required) or edit a team (``name`` fixed); the
+    rules (a cycle of parents, a taken name) are ``jobs.actions.teams``'."""
+
+    name = serializers.CharField(max_length=64)
+    parent = serializers.SlugRelatedField(slug_field="name", queryset=Team.objects.all(), required=False,
+                                          allow_null=True, help_text="The enclosing team (organisation); null: none.")
+    quota_gpus = serializers.IntegerField(min_value=0, required=False)
+    borrow_limit_gpus = serializers.IntegerField(min_value=0, required=False, allow_null=True,
+                                                 help_text="GPUs it may borrow beyond its quota; null: no limit.")
+    weight = serializers.FloatField(min_value=0.001, max_value=1000, required=False)
+
+
+class TeamMemberWriteSerializer(StrictFields, serializers.Serializer):
+    """Add a member: the user's name, and whether this becomes their default team."""
+
+    user = serializers.CharField(max_length=150)
+    default = serializers.BooleanField(default=False)
 
 
 class ElasticEventSerializer(serializers.ModelSerializer):

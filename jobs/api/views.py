@@ -6,7 +6,9 @@ body too (``no_body``): an unknown field is a 400, never silently dropped.
 
 from __future__ import annotations
 
+from django.contrib.auth import get_user_model
 from django.db.models import Prefetch, QuerySet
+from django.shortcuts import get_object_or_404
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
@@ -26,8 +28,21 @@ from jobs.api.serializers import (
     NodeRegisterSerializer,
     NodeSerializer,
     ReservationSerializer,
+    TeamMemberWriteSerializer,
+    TeamWriteSerializer,
 )
-from jobs.models import Allocation, ElasticEvent, Job, JobState, Node, Priority, Reservation
+from jobs.models import (
+    Allocation,
+    ElasticEvent,
+    Job,
+    JobState,
+    Node,
+    Priority,
+    Reservation,
+    Team,
+    TeamMembership,
+)
+from jobs.team_data import team_detail, team_standings
 
 
 def _choice_filter(request: Request, name: str, choices) -> str | None:
@@ -70,7 +85,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         allocations = Allocation.objects.select_related("node", "borrowed_from").order_by("node__name", "gpu_index")
         queryset = roles.visible_jobs(
             self.request.user,
-            Job.objects.select_related("owner", "rhythm").prefetch_related(Prefetch("allocations", allocations)),
+            Job.objects.select_related("owner", "rhythm", "team").prefetch_related(Prefetch("allocations", allocations)),
         )
         if self.action != "list":
             return queryset
@@ -85,6 +100,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             queryset = queryset.filter(owner=self.request.user)
         if q := params.get("q"):
             queryset = queryset.filter(name__icontains=q)
+        if team := params.get("team"):
+            queryset = queryset.filter(team__name=team)
         return queryset
 
     @extend_schema(
@@ -94,6 +111,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             OpenApiParameter("owner", str),
             OpenApiParameter("mine", bool),
             OpenApiParameter("q", str, description="Part of the job name."),
+            OpenApiParameter("team", str, description="Only the jobs of this team (by name)."),
         ]
     )
     def list(self, request, *args, **kwargs):
@@ -175,7 +193,7 @@ class ReservationViewSet(
 
     serializer_class = ReservationSerializer
     permission_classes = [OperatorWrites]
-    queryset = Reservation.objects.select_related("job")
+    queryset = Reservation.objects.select_related("job", "team")
 
     def perform_create(self, serializer) -> None:
         serializer.instance = actions.create_reservation(self.request.user, **serializer.validated_data)
@@ -193,6 +211,89 @@ class ReservationViewSet(
         no_body(request)
         reservation = actions.cancel_reservation(self.get_object(), request.user)
         return Response(ReservationSerializer(reservation).data)
+
+
+class TeamViewSet(viewsets.GenericViewSet):
+    """Teams (docs/teams.md): everyone with a role reads their standing (GPUs held now against
+    quota and borrowing limit), members, jobs (as ``roles.job_visibility`` allows) and
+    reservations; operators create, edit (``PATCH``) and delete them and change their members.
+    ``PUT`` is not offered: a team's name is fixed, every other field is optional."""
+
+    permission_classes = [OperatorWrites]
+    queryset = Team.objects.select_related("parent").order_by("name")
+    serializer_class = TeamWriteSerializer
+
+    @extend_schema(parameters=[OpenApiParameter("mine", bool, description="Only the teams I am in, each with "
+                                                "`default`: whether my submits go there when they name none.")])
+    def list(self, request: Request) -> Response:
+        """Every team with its standing now; a parent's GPUs are its teams' too."""
+        rows = team_standings()
+        if request.query_params.get("mine") in ("1", "true"):
+            mine = dict(TeamMembership.objects.filter(user=request.user).values_list("team_id", "is_default"))
+            rows = [{**row, "default": mine[row["id"]]} for row in rows if row["id"] in mine]
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(page) if page is not None else Response(rows)
+
+    def retrieve(self, request: Request, pk=None) -> Response:
+        return Response(team_detail(self.get_object(), request.user))
+
+    @extend_schema(request=TeamWriteSerializer)
+    def create(self, request: Request) -> Response:
+        write = TeamWriteSerializer(data=request.data)
+        write.is_valid(raise_exception=True)
+        team = actions.create_team(request.user, **write.validated_data)
+        return Response(team_detail(team, request.user), status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=TeamWriteSerializer)
+    def partial_update(self, request: Request, pk=None) -> Response:
+        team = self.get_object()
+        write = TeamWriteSerializer(data=request.data, partial=True)
+        write.is_valid(raise_exception=True)
+        changes = dict(write.validated_data)
+        if changes.pop("name", team.name) != team.name:
+            raise ValidationError({"name": ["a team's name cannot change: jobs and the audit log know it by it"]})
+        team = actions.edit_team(team, request.user, **changes)
+        return Response(team_detail(team, request.user))
+
+    def destroy(self, request: Request, pk=None) -> Response:
+        no_body(request)
+        actions.delete_team(self.get_object(), request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    def _member(self, username: str):
+        return get_object_or_404(get_user_model(), username=username)
+
+    @extend_schema(request=TeamMemberWriteSerializer)
+    @action(detail=True, methods=["get", "post"])
+    def members(self, request: Request, pk=None) -> Response:
+        """The team's members; ``POST {"user": NAME, "default": false}`` adds one (operators)."""
+        team = self.get_object()
+        if request.method == "POST":
+            write = TeamMemberWriteSerializer(data=request.data)
+            write.is_valid(raise_exception=True)
+            user = get_user_model().objects.filter(username=write.validated_data["user"]).first()
+            if user is None:
+                raise ValidationError({"user": [f"no user named {write.validated_data['user']!r}"]})
+            actions.add_team_member(team, request.user, user, default=write.validated_data["default"])
+            return Response(team_detail(team, request.user)["members"], status=status.HTTP_201_CREATED)
+        return Response(team_detail(team, request.user)["members"])
+
+    @extend_schema(request=None)
+    @action(detail=True, methods=["delete"], url_path=r"members/(?P<username>[^/]+)")
+    def remove_member(self, request: Request, pk=None, username: str = "") -> Response:
+        """Take a member out of the team (operators)."""
+        no_body(request)
+        actions.remove_team_member(self.get_object(), request.user, self._member(username))
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=None)
+    @action(detail=True, methods=["post"], url_path=r"members/(?P<username>[^/]+)/default")
+    def make_default(self, request: Request, pk=None, username: str = "") -> Response:
+        """Make this team the member's default team (operators)."""
+        no_body(request)
+        team = self.get_object()
+        actions.set_default_team(request.user, self._member(username), team)
+        return Response(team_detail(team, request.user)["members"])
 
 
 class ElasticEventViewSet(viewsets.ReadOnlyModelViewSet):

@@ -12,6 +12,7 @@ from jobs.models.planner import PlannerControl, PlannerRun
 from jobs.models.reservations import Reservation
 from jobs.models.rhythm import JobRhythm
 from jobs.models.states import BatchInvariantError, IllegalTransition
+from jobs.models.teams import Team, TeamInUse, TeamMembership
 from jobs.models.tokens import ApiToken, hash_api_token
 from jobs.vocab import CommandKind, EventKind
 
@@ -39,5 +40,8 @@ __all__ = [
     "PlannerRun",
     "Priority",
     "Reservation",
+    "Team",
+    "TeamInUse",
+    "TeamMembership",
     "hash_api_token",
 ]

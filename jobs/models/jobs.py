@@ -94,6 +94,11 @@ class Job(models.Model):
     name = models.CharField(max_length=128, unique=True)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
     priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.REGULAR)
+    # Its team's quota and borrowing limit apply to it (docs/teams.md); none: it only borrows.
+    team = models.ForeignKey(
+        "jobs.Team", on_delete=models.PROTECT, null=True, blank=True, related_name="jobs",
+        help_text="The team whose quota it runs under; empty: no quota, it only borrows idle GPUs.",
+    )
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING)
 
     tp = models.PositiveSmallIntegerField(default=1, help_text="Tensor-parallel degree (within one node).")

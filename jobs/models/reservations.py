@@ -1,4 +1,5 @@
-"""Reservations: time slices of guaranteed GPUs for critical jobs, lendable while unused."""
+"""Reservations: time slices of guaranteed GPUs for a critical job or a team's critical jobs,
+lendable while unused."""
 
 from __future__ import annotations
 
@@ -10,14 +11,20 @@ from django.db.models import F, Q
 
 
 class Reservation(models.Model):
-    """``gpus`` (+ ``spares``) guaranteed to a critical job from ``start_at`` to ``end_at``.
+    """``gpus`` (+ ``spares``) guaranteed to a critical job, or to a team's critical jobs (whichever
+    is running: the planner resolves it, and the reservation outlives any one of them), from
+    ``start_at`` to ``end_at``. Exactly one of ``job`` and ``team`` is set.
 
     With ``period_s``/``active_s`` it recurs: active for the first ``active_s`` seconds of every
     ``period_s`` from ``start_at`` (the seed's "40 of every 60 minutes").
     """
 
     name = models.CharField(max_length=128, unique=True)
-    job = models.ForeignKey("jobs.Job", on_delete=models.PROTECT, related_name="reservations")
+    job = models.ForeignKey("jobs.Job", on_delete=models.PROTECT, null=True, blank=True, related_name="reservations")
+    team = models.ForeignKey(
+        "jobs.Team", on_delete=models.PROTECT, null=True, blank=True, related_name="reservations",
+        help_text="A team's reservation: its GPUs go to whichever of the team's critical jobs runs.",
+    )
     gpus = models.PositiveIntegerField()
     spares = models.PositiveIntegerField(default=0, help_text="Hot spares for fault recovery; lendable.")
     start_at = models.DateTimeField()
@@ -35,6 +42,10 @@ class Reservation(models.Model):
         constraints = [
             models.CheckConstraint(condition=Q(gpus__gte=1), name="reservation_has_gpus"),
             models.CheckConstraint(
+                condition=(Q(job__isnull=False) & Q(team__isnull=True)) | (Q(job__isnull=True) & Q(team__isnull=False)),
+                name="reservation_for_a_job_or_a_team",
+            ),
+            models.CheckConstraint(
                 condition=Q(end_at__isnull=True) | Q(end_at__gt=F("start_at")), name="reservation_ends_after_start"
             ),
             models.CheckConstraint(
@@ -46,6 +57,11 @@ class Reservation(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def holder_words(self) -> str:
+        """``job omni-7b`` or ``team vision``: whom it guarantees GPUs to, in words."""
+        return f"team {self.team.name}" if self.team_id else f"job {self.job.name}"
 
     @property
     def is_recurring(self) -> bool:

@@ -180,6 +180,10 @@ def admit(state: PlanningPass, job: Job) -> None:
     # capacity (and, for others, lendable reserved GPUs).
     if entitled and state._try_place(job, preferred, 0, [], anchor, kind, entitled, own_pool_only=True):
         return
+    # Unlent GPUs before a loan: a job that fits on general capacity is not put where it will
+    # be reclaimed from (each reclaim costs the borrower a save, a restart and a wait).
+    if state._try_place(job, preferred, 0, [], anchor, kind, entitled, unlent_only=True):
+        return
     if state._try_place(job, preferred, 0, [], anchor, kind, entitled):
         return
     # (c) GPUs already on their way back to the queue: wait for them rather than take more.
@@ -365,17 +369,19 @@ def try_place(
     kind: str,
     entitled: bool,
     own_pool_only: bool = False,
+    unlent_only: bool = False,
 ) -> bool:
-    """Start ``job`` at ``dp`` (keeping ``held_gpus``) on free GPUs of the zones it may use, if they fit."""
+    """Start ``job`` at ``dp`` (keeping ``held_gpus``) on free GPUs of the zones it may use, if they
+    fit: only its own pools' with ``own_pool_only``, no other pool's with ``unlent_only``."""
     extra = dp - held_dp
     if extra < 0:
         return False
     zones = state._zones_for(job, dp)
-    if own_pool_only:
+    if own_pool_only or unlent_only:
         own = {r.name for r in state.res_of_job.get(job.name, ())}
-        zones = {z: n for z, n in zones.items() if z in own}
-        if not zones:
-            return False
+        zones = {z: n for z, n in zones.items() if z in own or (unlent_only and z is None)}
+        if not zones or (unlent_only and len(zones) == len(state._zones_for(job, dp))):
+            return False  # nothing to keep out: the plain call that follows tries the same zones
     if state._free_total(zones) < extra * job.tp * job.pp:
         return False
     if extra == 0:

@@ -775,6 +775,7 @@
       drawUtilisation();
     }
     live.on("cluster_summary", (payloads) => showSummary(payloads[payloads.length - 1]));
+    live.on("cluster_summary", (payloads) => teamBars(payloads[payloads.length - 1].teams));  // #team-quotas
 
     function drawGantt() {
       // One row per reservation (its guaranteed windows), and beneath it one row per loan out of
@@ -831,6 +832,82 @@
     function drawCharts() { drawGantt(); drawUtilisation(); }
     drawCharts();
     document.addEventListener("omni:theme", drawCharts);
+  }
+
+  // -- teams (docs/teams.md) ---------------------------------------------------------------------
+  // The bars templates/jobs/_team_bars.html renders, from jobs.team_data.team_standings rows.
+  function teamBar(t) {
+    const b = t.bar || {within_pct: 0, borrowed_pct: 0, quota_pct: 0};
+    const head = el("div", {class: "team-bar-head"}, [
+      el("span", {}, [el("a", {href: "/teams/" + t.id + "/"}, [el("strong", {text: t.name})])].concat(
+        t.parent ? [" ", el("span", {class: "faint small", text: "in " + t.parent})] : [])),
+      el("span", {class: "num small"}, [el("span", {"data-f": "held", text: String(t.gpus_held)}), " / " + t.quota_gpus + " GPUs"]),
+    ]);
+    const track = el("div", {class: "tbar", title: t.words}, [
+      el("span", {class: "within", style: "width: " + b.within_pct + "%"}),
+      el("span", {class: "over", style: "left: " + b.within_pct + "%; width: " + b.borrowed_pct + "%"}),
+      el("i", {class: "quota", style: "left: " + b.quota_pct + "%"}),
+    ]);
+    return el("div", {class: "team-bar", "data-team": t.name}, [head, track, el("div", {class: "faint small", "data-f": "words", text: t.words})]);
+  }
+  function teamBars(rows) {
+    const box = $("#team-bars");
+    if (!box || !rows) return;
+    box.replaceChildren(...(rows.length ? rows.map(teamBar) : [el("p", {class: "muted", text: "No teams yet."})]));
+  }
+  function teamsPage() {  // the bars follow each live cluster_summary
+    new LiveSocket().subscribe("cluster").on("cluster_summary", (payloads) => teamBars(payloads[payloads.length - 1].teams));
+  }
+  function teamPage(data) {
+    // The standing and the chart follow each live cluster_summary (its teams row); the jobs,
+    // members and reservations are re-read from the API every 20 s.
+    const u = data.usage;
+    function draw() {
+      const t = u.t.map(plotTime), end = t[t.length - 1];
+      const traces = [
+        {x: t, y: u.gpus, name: "GPUs held", mode: "lines", fill: "tozeroy", line: {shape: "hv", color: cssVar("--regular"), width: 2}},
+        {x: [t[0], end], y: [data.quota_gpus, data.quota_gpus], name: "quota (guaranteed)", mode: "lines", line: {color: cssVar("--fg"), dash: "dot", width: 1.2}},
+      ];
+      if (data.borrow_limit_gpus !== null && data.borrow_limit_gpus !== undefined) {
+        const top = data.quota_gpus + data.borrow_limit_gpus;
+        traces.push({x: [t[0], end], y: [top, top], name: "quota + borrowing limit", mode: "lines", line: {color: cssVar("--borrowed"), dash: "dash", width: 1.2}});
+      }
+      const layout = baseLayout({xaxis: Object.assign(baseLayout().xaxis, {range: [t[0], end]}),
+        yaxis: Object.assign(baseLayout().yaxis, {title: {text: "GPUs"}})});
+      plotChart("chart-team", traces, layout, true);
+    }
+    draw();
+    document.addEventListener("omni:theme", draw);
+    new LiveSocket().subscribe("cluster").on("cluster_summary", (payloads) => {
+      const s = payloads[payloads.length - 1], row = (s.teams || []).find((t) => t.id === data.id);
+      if (!row) return;
+      $("#team-standing").textContent = row.words;
+      u.t.push(s.at); u.gpus.push(row.gpus_held);
+      draw();
+    });
+    async function refresh() {
+      let detail;
+      try {
+        const response = await fetch("/api/teams/" + data.id + "/", {headers: {Accept: "application/json"}, credentials: "same-origin"});
+        if (!response.ok) return;
+        detail = await response.json();
+      } catch (e) { return; }
+      const withTeam = $("#team-jobs thead th:nth-child(5)") !== null;
+      $("#team-jobs tbody").replaceChildren(...(detail.jobs.length ? detail.jobs.map((j) => {
+        const name = j.visibility === "full" ? el("a", {href: "/jobs/" + j.id + "/"}, [el("strong", {text: j.name})])
+          : el("strong", {title: "details are visible to its owner", text: j.name});
+        const gpus = el("td", {class: "num", text: String(j.gpus)});
+        if (j.borrowed_gpus) gpus.append(" ", el("span", {class: "pill borrowed", title: "borrowed from a reservation", text: j.borrowed_gpus + " on loan"}));
+        return el("tr", {"data-job-id": j.id}, [
+          el("td", {class: "nowrap"}, [name, el("div", {class: "faint small", text: j.owner})]),
+          el("td", {}, [el("span", {class: "pill class-" + j.priority, text: j.priority_label})]),
+          el("td", {}, [statePill(j.state, j.state_label)]), gpus,
+        ].concat(withTeam ? [el("td", {text: j.team || ""})] : []));
+      }) : [el("tr", {}, [el("td", {colspan: "5", class: "muted", text: "No running or waiting jobs."})])]));
+      $("#team-members ul").replaceChildren(...(detail.members.length ? detail.members.map((m) => el("li", {}, [m.user].concat(
+        m.default ? [" ", el("span", {class: "tag", text: "default team"})] : []))) : [el("li", {class: "muted", text: "No members."})]));
+    }
+    setInterval(refresh, 20000);
   }
 
   // -- audit -----------------------------------------------------------------------------------
@@ -984,7 +1061,8 @@
     check();
   }
 
-  window.Omni = {dashboard, submitForm, jobPage, consolePage, auditPage, confirmDialog, LiveSocket, upgradeTimes};
+  window.Omni = {dashboard, submitForm, jobPage, consolePage, auditPage, confirmDialog, LiveSocket, upgradeTimes,
+    teamsPage, teamPage, teamBars};
   initTheme();
   initConfirmForms();
   upgradeTimes(document);

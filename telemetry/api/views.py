@@ -15,6 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from telemetry.api.auth import IsNodeAgent, NodeTokenAuthentication
+from telemetry.api.parsers import StrictJSONParser
 from telemetry.ingest import IngestResult, ingest_gpu_batch, ingest_step_batch
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -23,6 +24,7 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 class _BatchView(APIView):
     authentication_classes = [NodeTokenAuthentication]
     permission_classes = [IsNodeAgent]
+    parser_classes = [StrictJSONParser]
     throttle_classes: list = []
 
     def ingest(self, node, batch) -> IngestResult:
@@ -48,7 +50,7 @@ class GpuBatchView(_BatchView):
 
 
 class StepBatchView(_BatchView):
-    """A node agent's batch of step records."""
+    """A node agent's batch of step records, for jobs placed on its node only (400 otherwise)."""
 
     def ingest(self, node, batch) -> IngestResult:
-        return ingest_step_batch(node, batch)
+        return ingest_step_batch(node, batch, placed_only=True)

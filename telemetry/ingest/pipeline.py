@@ -7,6 +7,7 @@ calls (docs/telemetry.md); the stages are ``validate``, ``sequence``, ``store`` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from django.utils import timezone
@@ -51,6 +52,7 @@ def ingest_gpu_batch(node: Node, batch: Any) -> IngestResult:
     return _ingest(BatchKind.GPU, node, batch, validate_gpu_samples)
 
 
-def ingest_step_batch(node: Node, batch: Any) -> IngestResult:
-    """Validate, de-duplicate and store one batch of step records reported by ``node``."""
-    return _ingest(BatchKind.STEPS, node, batch, validate_step_samples)
+def ingest_step_batch(node: Node, batch: Any, *, placed_only: bool = False) -> IngestResult:
+    """Validate, de-duplicate and store one batch of step records reported by ``node``;
+    ``placed_only``: every record's job must be placed on ``node`` (what an agent may send)."""
+    return _ingest(BatchKind.STEPS, node, batch, partial(validate_step_samples, placed_only=placed_only))

@@ -19,7 +19,7 @@ import numpy as np
 from django.conf import settings
 from django.core.exceptions import ValidationError
 
-from jobs.models import Job, Node
+from jobs.models import Allocation, Job, Node
 from telemetry.copy import timestamptz_from_epoch_s
 from telemetry.partitions import retention_for
 
@@ -215,6 +215,9 @@ def _times(column: list, ok: np.ndarray, errors: BatchErrors, now_s: float) -> n
     keep = retention_for("raw")
     oldest_s = now_s - keep.total_seconds() if keep else 0.0
     finite = np.isfinite(values)
+    for i in np.flatnonzero(~finite & ok):
+        if int(i) not in errors.bad_samples:
+            errors.sample(int(i), "at", "expected a finite time")
     for i in np.flatnonzero(finite & (values > now_s + future_s) & ok):
         errors.sample(int(i), "at", f"{values[i] - now_s:.0f} s in the future (at most {future_s:g} s ahead allowed)")
     for i in np.flatnonzero(finite & (values < oldest_s) & ok):
@@ -286,15 +289,29 @@ def validate_gpu_samples(node: Node, samples: list, errors: BatchErrors, now_s: 
     return SampleRows(values, {"power_w": power_nulls, "temp_c": temp_nulls}, epoch_s)
 
 
-def validate_step_samples(node: Node, samples: list, errors: BatchErrors, now_s: float) -> SampleRows:
-    """Checks of step records reported by ``node`` (fewer than GPU samples; plainer code)."""
+def validate_step_samples(node: Node, samples: list, errors: BatchErrors, now_s: float, *,
+                          placed_only: bool = False) -> SampleRows:
+    """Checks of step records reported by ``node`` (fewer than GPU samples; plainer code).
+
+    ``placed_only``: each record's job must hold GPUs on ``node`` now (an agent reports its own
+    jobs' ranks, never another node's: the HTTP endpoint, like the agent socket).
+    """
     ok = _objects(samples, STEP_FIELDS, errors)
     job, _ = _numbers(_column(samples, ok, "job"), ok, "job", errors, integer=True, required=True)
-    job_ids = {int(j) for j in job[np.isfinite(job)]}
+    # Ids are exact in float64 up to 2**53, far beyond any job table.
+    plausible = (job >= 1) & (job <= 2.0**53)
+    _check_range(job, np.zeros(len(job), dtype=bool), ok, "job", errors, 1, 2.0**53, "no job has this id")
+    job_ids = {int(j) for j in job[plausible]}
     known = set(Job.objects.filter(pk__in=job_ids).values_list("pk", flat=True)) if job_ids else set()
-    for i in np.flatnonzero(ok & np.isfinite(job)):
+    placed = set(
+        Allocation.objects.filter(node=node, job_id__in=known).values_list("job_id", flat=True)
+    ) if placed_only and known else known
+    for i in np.flatnonzero(ok & plausible):
         if int(job[i]) not in known:
             errors.sample(int(i), "job", f"unknown job {int(job[i])}")
+        elif int(job[i]) not in placed:
+            errors.sample(int(i), "job", f"job {int(job[i])} is not placed on node {node.name}: an agent may "
+                          "report only its own node's jobs")
     rank, rank_nulls = _numbers(_column(samples, ok, "rank"), ok, "rank", errors, integer=True, required=True)
     _check_range(rank, rank_nulls, ok, "rank", errors, 0, 2**31 - 1, "rank must be 0 or more")
     step, step_nulls = _numbers(_column(samples, ok, "step"), ok, "step", errors, integer=True, required=True)

@@ -119,7 +119,7 @@ def test_plain_ddp_script_on_two_nodes_is_drained_by_sigterm_and_resumes_to_the_
     reference = control_cluster.tmp / "reference"
     env = {**control_cluster.env, "OMNI_CHECKPOINT_DIR": str(reference), "OMNI_TOTAL_STEPS": "40"}
     env.pop("OMNI_JOB", None)
-    for attempt in (1, 2):  # the baseline run, not the system under test: once more if the loaded machine broke it
+    for _attempt in (1, 2):  # the baseline run, not the system under test: once more if the loaded machine broke it
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                                str(EXAMPLE), "--step-s", "0"], env=env, cwd=control_cluster.tmp,
                               capture_output=True, text=True, timeout=180)

@@ -67,6 +67,8 @@ def cluster(make_nodes, make_job, operator, other_researcher):
     critical = make_job(owner=operator, priority=Priority.CRITICAL, dp=1, dp_min=1, dp_max=1, global_batch=8,
                         micro_batch=8)
     actions.create_reservation(operator, name="critical-window", job=critical, gpus=2, start_at=timezone.now())
+    team = actions.create_team(operator, name="vision", quota_gpus=4)
+    actions.add_team_member(team, operator, other_researcher)
     actions.set_planner_control(operator, paused=True)
     actions.run_planner_pass("test")  # a run that applies nothing: the planner is paused
     ingest_gpu_batch(nodes[0], gpu_batch(samples=16, start_s=time.time() - 300))

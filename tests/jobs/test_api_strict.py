@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jobs import roles
+from jobs import actions, roles
 from jobs.models import REFERENCE_ENTRYPOINT, ElasticEvent, Job, Node, NodeState, Reservation
 from tests.conftest import api_client
 
@@ -30,7 +30,9 @@ def written(operator, make_job, make_nodes):
     critical = make_job(owner=operator, name="omni-7b", priority="critical", tp=8, dp=2, dp_min=2, dp_max=2,
                         global_batch=256, micro_batch=4)
     reservation = api_client(operator).post("/api/reservations/", RES, format="json").json()
-    return {"job": job, "node": nodes[0], "critical": critical, "reservation": reservation["id"]}
+    team = actions.create_team(operator, name="vision", quota_gpus=8)
+    actions.add_team_member(team, operator, operator)
+    return {"job": job, "node": nodes[0], "critical": critical, "reservation": reservation["id"], "team": team}
 
 
 def _state(written) -> tuple:
@@ -58,6 +60,10 @@ WRITES = [
     ("put", "/api/reservations/{id}/", "reservation", lambda: RES),
     ("patch", "/api/reservations/{id}/", "reservation", lambda: {"gpus": 24}),
     ("post", "/api/reservations/{id}/cancel/", "reservation", dict),
+    ("post", "/api/teams/", None, lambda: {"name": "speech"}),
+    ("patch", "/api/teams/{id}/", "team", lambda: {"weight": 2}),
+    ("post", "/api/teams/{id}/members/", "team", lambda: {"user": "rita"}),
+    ("post", "/api/teams/{id}/members/{username}/default/", "team", dict),
 ]
 
 
@@ -68,7 +74,7 @@ def _pk(written, row: str | None) -> int | None:
 @pytest.mark.parametrize(("method", "path", "row", "body"), WRITES, ids=[f"{m} {p}" for m, p, _, _ in WRITES])
 def test_an_unknown_field_is_400_naming_it_and_nothing_is_written(operator, written, method, path, row, body):
     before = _state(written)
-    url = path.replace("{id}", str(_pk(written, row)))
+    url = path.replace("{id}", str(_pk(written, row))).replace("{username}", "olive")
     response = getattr(api_client(operator), method)(url, {**body(), "comand": "x"}, format="json")
     assert response.status_code == 400, response.content
     assert response.json() == {"comand": ["Unknown field."]}

@@ -64,8 +64,8 @@ def test_simulator_sentences_keep_their_seconds() -> None:
 
 def test_a_loans_end_reads_as_a_clock_time_in_production() -> None:
     res = Reservation("vlm-window", "vlm", gpus=16, start_s=NOW + 7200.0, nodes=("r0s1n0", "r0s1n1"))
-    general = gpus_on("r0s0n0", "r0s0n1", "r0s0n2", "r0s0n3")
-    snap = snapshot(cluster(), [job("busy", gpus=general, dp=4), job("sft", dp=2, step_s=1.0)], (res,))
+    general = gpus_on("r0s0n0", "r0s0n1", "r0s0n2", "r0s0n3", "r0s1n2", "r0s1n3")  # only the pool is free
+    snap = snapshot(cluster(), [job("busy", gpus=general, dp=6), job("sft", dp=2, step_s=1.0)], (res,))
     (lend,) = plan(snap, NOW, PRODUCTION).by_kind("lend")
     assert "The loan ends at 15:53 UTC (2 h after this decision)" in lend.reason.text
     assert not EPOCH_T.search(lend.reason.text)

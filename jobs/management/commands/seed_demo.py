@@ -1,5 +1,6 @@
-"""``manage.py seed_demo``: a believable cluster with users for each role, jobs of every class
-and reservations, built through the real actions so the audit log tells the story."""
+"""``manage.py seed_demo``: a believable cluster with users for each role, an organisation with two
+teams (docs/teams.md), jobs of every class and reservations, built through the real actions so
+the audit log tells the story."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ DEMO_USERS = [
     ("olga", OPERATOR, "Olga (operator)"),
     ("audrey", AUDITOR, "Audrey (auditor)"),
 ]
+
+# The organisation and its two teams: (name, parent, quota, borrowing limit) for the full demo
+# cluster (256 GPUs), and for the story's 24 GPUs. There each team's quota covers all its jobs
+# want (16 each, more than the cluster between them), so no team ever borrows beyond its quota,
+# none reclaims from the other, and the story of the reserved window plays as it always has.
+DEMO_ORG = "omni-lab"
+DEMO_TEAMS = [(DEMO_ORG, None, 256, None), ("llm", DEMO_ORG, 128, 64), ("vision", DEMO_ORG, 96, 64)]
+STORY_TEAMS = [(DEMO_ORG, None, 24, None), ("llm", DEMO_ORG, 16, None), ("vision", DEMO_ORG, 16, None)]
+# Who is in which team, the first one their default (jobs without a team named go there).
+DEMO_MEMBERS = {"olga": ["llm", "vision"], "bob": ["llm"], "alice": ["vision", "llm"]}
+# Jobs submitted to another team than their owner's default one (an operator may submit to any).
+DEMO_JOB_TEAMS = {"vlm-pretrain": "vision"}
 
 # (name, owner, class, tp, pp, dp, dp_min, dp_max, global batch, micro batch, steps, step_s, place)
 DEMO_JOBS = [
@@ -86,6 +99,7 @@ class Command(BaseCommand):
             self._story()
             return
         users = self._users()
+        teams = self._teams(users, DEMO_TEAMS)
         nodes = [
             Node(name=f"r{r}s{s}n{n}", rack=f"r{r}", switch=f"r{r}s{s}", gpu_count=gpus_per_node, gpu_model="H100-80GB")
             for r in range(racks) for s in range(switches_per_rack) for n in range(nodes_per_switch)
@@ -98,6 +112,7 @@ class Command(BaseCommand):
             job = actions.submit_job(
                 users[owner], name=name, priority=priority, tp=tp, pp=pp, dp=dp, dp_min=dp_min, dp_max=dp_max,
                 global_batch=gb, micro_batch=mb, total_steps=steps, step_s=step_s,
+                **({"team": teams[DEMO_JOB_TEAMS[name]]} if name in DEMO_JOB_TEAMS else {}),
             )
             jobs[name] = job
             if place and len(free) >= job.gpus_wanted:
@@ -112,16 +127,19 @@ class Command(BaseCommand):
             start_at=now - timedelta(minutes=10), period_s=3600, active_s=2400,
         )
         actions.create_reservation(
-            users["olga"], name="vlm-window", job=jobs["vlm-pretrain"], gpus=32,
+            # The vision team's: whichever of its critical jobs runs (vlm-pretrain now), outliving it.
+            users["olga"], name="vlm-window", team=teams["vision"], gpus=32,
             start_at=now + timedelta(hours=2), end_at=now + timedelta(hours=14),
         )
         self.stdout.write(
-            f"seed_demo: {len(nodes)} nodes ({len(nodes) * gpus_per_node} GPUs), {len(jobs)} jobs, 2 reservations."
+            f"seed_demo: {len(nodes)} nodes ({len(nodes) * gpus_per_node} GPUs), {len(jobs)} jobs, 2 reservations, "
+            f"teams {', '.join(teams)}."
         )
         self._print_logins()
 
     def _story(self) -> None:
         users = self._users()
+        teams = self._teams(users, STORY_TEAMS)
         nodes = [
             Node(name=f"r{r}s0n{n}", rack=f"r{r}", switch=f"r{r}s0", gpu_count=4, gpu_model="H100-80GB")
             for r in range(2) for n in range(3)
@@ -140,8 +158,8 @@ class Command(BaseCommand):
             start_at=timezone.now() + timedelta(seconds=STORY_WINDOW_IN_S), period_s=1800, active_s=600,
         )
         self.stdout.write(
-            f"seed_demo --story: 6 nodes (24 GPUs), {len(jobs)} jobs; omni-7b's reserved window opens in "
-            f"{STORY_WINDOW_IN_S}s."
+            f"seed_demo --story: 6 nodes (24 GPUs), {len(jobs)} jobs in teams {', '.join(teams)}; omni-7b's reserved "
+            f"window opens in {STORY_WINDOW_IN_S}s."
         )
         self._print_logins()
 
@@ -158,6 +176,17 @@ class Command(BaseCommand):
             user.groups.add(Group.objects.get(name=role))
             users[username] = user
         return users
+
+    def _teams(self, users: dict, spec: list[tuple[str, str | None, int, int | None]]) -> dict:
+        """The organisation and its teams, and who is in them, through the audited actions."""
+        teams: dict = {}
+        for name, parent, quota, limit in spec:
+            teams[name] = actions.create_team(users["olga"], name=name, parent=teams.get(parent) if parent else None,
+                                              quota_gpus=quota, borrow_limit_gpus=limit)
+        for username, names in DEMO_MEMBERS.items():
+            for name in names:
+                actions.add_team_member(teams[name], users["olga"], users[username])
+        return teams
 
     def _print_logins(self) -> None:
         logins = ", ".join(f"{name} ({role})" for name, role, _ in DEMO_USERS)

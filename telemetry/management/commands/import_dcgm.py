@@ -26,7 +26,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("urls", nargs="+", help="dcgm-exporter /metrics URLs")
         parser.add_argument("--node-map", default="", help="HOST=NODE pairs, comma-separated, when the "
-                            "exporter's Hostname label differs from the Omni node name")
+                            "exporter's Hostname (or hostname) label differs from the Omni node name")
         parser.add_argument("--node", default=None, help="store every series under this node (one exporter "
                             "per node without Hostname labels)")
         parser.add_argument("--every-s", type=float, default=0.0, help="scrape repeatedly at this interval")

@@ -1,0 +1,93 @@
+"""Teams in Chromium (docs/teams.md): a team's page (members, GPUs held against the quota over
+time, its jobs as the viewer may see them, its reservations), the Teams list from the nav, and the
+Cluster page's team bars, which follow the live cluster summary with no reload."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from jobs import actions
+from jobs.models import Allocation, Job
+from tests.live import test_browser as shared
+
+pytestmark = shared.pytestmark
+
+asgi_server = shared.asgi_server
+shared_channel_layer = shared.shared_channel_layer
+browser = shared.browser
+open_as = shared.open_as
+in_thread = shared.in_thread
+
+
+def _teams(operator, researcher, other_researcher):
+    lab = actions.create_team(operator, name="lab", quota_gpus=8)
+    vision = actions.create_team(operator, name="vision", parent=lab, quota_gpus=2, borrow_limit_gpus=2)
+    actions.create_team(operator, name="speech", parent=lab, quota_gpus=4)
+    actions.add_team_member(vision, operator, researcher)
+    actions.add_team_member(vision, operator, other_researcher)
+    return vision
+
+
+def test_the_team_page_shows_members_usage_jobs_and_reservations(open_as, asgi_server, operator, researcher,
+                                                                 other_researcher, make_job, make_nodes):
+    nodes = in_thread(lambda: make_nodes(racks=1, switches=1, nodes=1, gpus=4))
+    vision = in_thread(lambda: _teams(operator, researcher, other_researcher))
+    mine = in_thread(lambda: make_job(name="vit-mine", dp=2, dp_min=2, dp_max=2))
+    in_thread(lambda: make_job(owner=other_researcher, name="vit-theirs", dp=1, dp_min=1, dp_max=1,
+                               global_batch=8, micro_batch=8))
+
+    def history() -> None:  # two GPUs held from 3 h to 1 h ago, then the job runs on them again
+        now = timezone.now()
+        job = Job.objects.get(pk=mine.pk)
+        Allocation.objects.bulk_create([Allocation(job=job, node=nodes[0], gpu_index=i, since=now - timedelta(hours=3))
+                                        for i in (0, 1)])
+        Allocation.objects.filter(job=job).release(at=now - timedelta(hours=1))
+        actions.place_job(job, [(nodes[0], 0), (nodes[0], 1)], actor="planner",
+                          reason={"rule": "place", "text": "Placed.", "inputs": {}})
+        actions.create_reservation(operator, name="vision-window", team=vision, gpus=2, start_at=now,
+                                   period_s=3600, active_s=1800)
+
+    in_thread(history)
+    page = open_as(researcher)
+    page.click("nav >> text=Teams")
+    page.wait_for_url(f"{asgi_server}/teams/")
+    assert "2 of 2 guaranteed GPUs; may borrow up to 2" in page.locator("#team-bars [data-team=vision]").inner_text()
+    page.click("#team-bars [data-team=vision] a")
+    page.wait_for_url(f"{asgi_server}/teams/{vision.pk}/")
+    assert "2 of 2 guaranteed GPUs" in page.locator("#team-standing").inner_text()
+    members = page.locator("#team-members").inner_text()
+    assert "rita" in members and "rob" in members and "default team" in members.lower()
+    jobs = page.locator("#team-jobs")
+    assert jobs.locator("a", has_text="vit-mine").count() == 1  # own job: a link to its page
+    assert jobs.locator("strong", has_text="vit-theirs").count() == 1  # another's: its summary, unlinked
+    assert jobs.locator("a", has_text="vit-theirs").count() == 0
+    assert "vision-window" in page.locator("#team-reservations").inner_text()
+    assert "the team's critical jobs" in page.locator("#team-reservations").inner_text()
+    chart = page.locator("#chart-team")
+    chart.locator(".main-svg").first.wait_for()
+    assert "GPUs held" in chart.inner_text() and "quota + borrowing limit" in chart.inner_text()
+    assert not chart.evaluate("el => el.classList.contains('no-data')")
+    page.screenshot(path=str(shared.ARTIFACTS / "team-page.png"), full_page=True)
+
+
+def test_the_console_team_bars_follow_the_live_summary(open_as, asgi_server, operator, researcher, other_researcher,
+                                                       make_job, make_nodes):
+    nodes = in_thread(lambda: make_nodes(racks=1, switches=1, nodes=1, gpus=4))
+    in_thread(lambda: _teams(operator, researcher, other_researcher))
+    job = in_thread(lambda: make_job(name="vit-wide", dp=3, dp_min=3, dp_max=3, global_batch=48, micro_batch=4))
+    page = open_as(operator)
+    page.goto(f"{asgi_server}/console/")
+    bar = page.locator("#team-quotas [data-team=vision]")
+    assert "0 of 2 guaranteed GPUs; may borrow up to 2" in bar.inner_text()
+    assert bar.locator(".over").evaluate("el => el.style.width") == "0%"
+    page.wait_for_function("document.body.dataset.liveSubscribed === '1'")
+    # The planner places the job beyond its team's quota: the bar shows the borrowing, no reload.
+    in_thread(lambda: actions.place_job(Job.objects.get(pk=job.pk), [(nodes[0], i) for i in range(3)],
+                                        actor="planner", reason={"rule": "place", "text": "Placed.", "inputs": {}}))
+    bar.locator("[data-f=words]", has_text="3 GPUs: 1 borrowed beyond its quota of 2").wait_for()
+    assert bar.locator("[data-f=held]").inner_text() == "3"
+    assert bar.locator(".over").evaluate("el => el.style.width") == "25%"  # 1 of the track's 4 (quota + limit)
+    assert "3 of 8 guaranteed GPUs" in page.locator("#team-quotas [data-team=lab]").inner_text()
+    page.locator("#team-quotas").screenshot(path=str(shared.ARTIFACTS / "console-team-bars.png"))
