@@ -27,7 +27,7 @@ the sentences. ``decayed`` and ``accrue`` are the fair-share arithmetic the snap
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from jobs.planner.snapshot import PRIORITY_RANK, Job, Team
@@ -63,6 +63,10 @@ class TeamBook:
         self.teams: dict[str, Team] = {t.name: t for t in teams}
         self.held: dict[str, int] = dict.fromkeys(self.teams, 0)
         self.unteamed = 0  # GPUs held by jobs of no team (which only borrow)
+        self._chains: dict[str | None, list[Team]] = {}
+        self._victims_key: list | None = None
+        self._victims_groups: list[tuple[str | None, list]] = []
+        self._names: dict[str | None, frozenset[str]] = {}
         for job in jobs:
             if job.holdings:
                 self.add(job.team, len(job.holdings))
@@ -71,7 +75,21 @@ class TeamBook:
         return bool(self.teams)
 
     def chain(self, team: str | None) -> list[Team]:
-        """The team and its ancestors, innermost first (a cycle or an unknown name ends it)."""
+        """The team and its ancestors, innermost first (a cycle or an unknown name ends it);
+        memoised, the teams being fixed for the pass."""
+        hit = self._chains.get(team)
+        if hit is None:
+            hit = self._chains[team] = self._walk(team)
+            self._names[team] = frozenset(t.name for t in hit)
+        return hit
+
+    def names(self, team: str | None) -> frozenset[str]:
+        """The names of ``chain(team)``."""
+        if team not in self._names:
+            self.chain(team)
+        return self._names[team]
+
+    def _walk(self, team: str | None) -> list[Team]:
         out: list[Team] = []
         seen: set[str] = set()
         while team is not None and team in self.teams and team not in seen:
@@ -124,8 +142,20 @@ class TeamBook:
         chain = self.chain(job.team)
         if not chain:
             return INFINITY
-        mine = {t.name for t in self.chain(for_team)}
-        return min(max(0, self.held.get(t.name, 0) - t.quota_gpus) for t in chain if t.name not in mine)
+        mine = self.names(for_team)
+        return min((max(0, self.held.get(t.name, 0) - t.quota_gpus) for t in chain if t.name not in mine), default=0)
+
+    def victims_by_team(self, entries: list) -> list[tuple[str | None, list]]:
+        """The victim pool's entries grouped by team, in victim order within each, the teams with
+        most past usage per weight first (jobs of no team before all): cached per pool list."""
+        if self._victims_key is not entries:
+            groups: dict[str | None, list] = {}
+            for entry in entries:
+                groups.setdefault(entry.job.team if entry.job.team in self.teams else None, []).append(entry)
+            order = sorted(groups, key=lambda t: (t is not None, -self.fair_share(t) if t is not None else 0.0,
+                                                  t or ""))
+            self._victims_key, self._victims_groups = entries, [(t, groups[t]) for t in order]
+        return self._victims_groups
 
     def anyone_borrowing(self) -> bool:
         """Whether any GPUs are held beyond a quota (or by jobs of no team)."""
@@ -142,7 +172,7 @@ class TeamBook:
         """Whether two teams are one, or one encloses the other (reclaim never runs between them)."""
         if a is None or b is None:
             return False
-        return any(t.name == b for t in self.chain(a)) or any(t.name == a for t in self.chain(b))
+        return b in self.names(a) or a in self.names(b)
 
     # -- words ----------------------------------------------------------------------------------
 
@@ -195,31 +225,32 @@ def size_cap(state: PlanningPass, job: Job) -> float:
     return len(job.holdings) + book.may_use(job.team)
 
 
-def reclaim_candidates(state: PlanningPass, job: Job, entries: Iterable) -> list:
+def reclaim_candidates(state: PlanningPass, job: Job, entries: list) -> Iterator:
     """Victim entries a job within its team's quota may take GPUs from: running jobs of its class
     or lower, of teams holding more than their quota (or of no team), unrelated to its own, not
     protected by their minimum run; the borrower with most past usage per weight first, then
-    the victim order."""
+    the victim order. ``entries`` is the pass's victim pool (``victims.victim_pool``), grouped by
+    team once per pool (``TeamBook.victims_by_team``), so a search looks only at borrowers."""
     book = state.teams
     my_rank = PRIORITY_RANK[job.priority]
-    picked = []
     wake = INFINITY
-    for order, entry in enumerate(entries):
-        other = entry.job
-        if other.name == job.name or other.name in state.acted or entry.rank < my_rank:
-            continue
-        if book.related(job.team, other.team) or book.reclaimable(other, job.team) <= 0:
-            continue
-        if entry.protected:
-            # Its minimum run ends later: look again then, rather than at the next unrelated event.
-            if other.run_started_s is not None:
-                wake = min(wake, other.run_started_s + other.min_run_s)
-            continue
-        picked.append((-book.fair_share(other.team) if other.team is not None else -INFINITY, order, entry))
-    picked.sort(key=lambda kv: (kv[0], kv[1]))
-    if wake < INFINITY:
-        state._wake_at(wake)
-    return [entry for _, _, entry in picked]
+    try:
+        for team, members in book.victims_by_team(entries):
+            if book.related(job.team, team) or book.reclaimable(members[0].job, job.team) <= 0:
+                continue
+            for entry in members:
+                other = entry.job
+                if other.name == job.name or other.name in state.acted or entry.rank < my_rank:
+                    continue
+                if entry.protected:
+                    # Its minimum run ends later: look again then, not at the next unrelated event.
+                    if other.run_started_s is not None:
+                        wake = min(wake, other.run_started_s + other.min_run_s)
+                    continue
+                yield entry
+    finally:
+        if wake < INFINITY:
+            state._wake_at(wake)
 
 
 def reclaim_words(state: PlanningPass, requester: Job, victim: Job) -> str:

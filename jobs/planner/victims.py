@@ -301,7 +301,7 @@ def take_from_victims(
         book = state.teams
 
         def quota_candidates() -> Iterator[Job]:
-            for entry in reclaim_candidates(state, job, islice(victim_pool(state), state._victims_head, None)):
+            for entry in reclaim_candidates(state, job, victim_pool(state)):
                 if not zone_set.isdisjoint(entry.zones):
                     yield entry.job
 
