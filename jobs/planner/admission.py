@@ -204,9 +204,26 @@ def admit(state: PlanningPass, job: Job) -> None:
     if reclaims and not recovering:
         headroom = state.teams.below_quota_by(job.team)
         within = [d for d in dps if d * rep <= headroom]
-        if within and state._try_victims(job, within[0], state._zones_for(job, within[0]), rank, False, kind,
-                                         entitled, quota=True):
-            return
+        if within:
+            q_zones = state._zones_for(job, within[0])
+            q_free = state._free_total(q_zones)
+            q_need = within[0] * rep
+            # Jobs about to finish on their own give GPUs back as soon as a reclaim would: wait
+            # for them rather than stop a borrower (each reclaim costs it a save and a restart).
+            # (Only while it has waited less than the grace: a prediction that fails does not keep it.)
+            done_soon = (quota.finishing_soon(state, q_zones, q_need - q_free)
+                         if q_free < q_need and waited_s(job, state.now) < state.config.reclaim_grace_s else [])
+            if done_soon:
+                state._claim_free(job, q_zones, q_free)
+                names = [j.name for j in done_soon]
+                state._hold(job, "waiting_for_completion",
+                            f"{plural(q_need - q_free, 'GPU')} come free within {duration_words(state.config.reclaim_grace_s)} "
+                            f"when {join_words(names[:5])} {'finishes' if len(names) == 1 else 'finish'}; "
+                            f"then it starts with {gpu_shape(job.tp, job.pp, within[0])}, within its team's quota.",
+                            gpus_needed=q_need, gpus_free=q_free, finishing=names)
+                return
+            if state._try_victims(job, within[0], q_zones, rank, False, kind, entitled, quota=True):
+                return
     # (d) Critical work takes GPUs from cheaper victims at its preferred size (rule 4);
     # (e) others first start smaller on what is free (they grow later), and only then take
     # GPUs from victims, for their smallest batch-exact size.

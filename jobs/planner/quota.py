@@ -30,6 +30,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from jobs.planner.rhythm import predict
 from jobs.planner.snapshot import PRIORITY_RANK, Job, Team
 from jobs.planner.wording import plural
 
@@ -65,6 +66,8 @@ class TeamBook:
         self.unteamed = 0  # GPUs held by jobs of no team (which only borrow)
         self._chains: dict[str | None, list[Team]] = {}
         self._victims_key: list | None = None
+        self._finishing: list[Job] | None = None    # running jobs about to finish (``finishing_soon``)
+        self.promised: set[str] = set()             # ... whose GPUs a waiting job counts on
         self._victims_groups: list[tuple[str | None, list]] = []
         self._names: dict[str | None, frozenset[str]] = {}
         for job in jobs:
@@ -251,6 +254,36 @@ def reclaim_candidates(state: PlanningPass, job: Job, entries: list) -> Iterator
     finally:
         if wake < INFINITY:
             state._wake_at(wake)
+
+
+def finishing_soon(state: PlanningPass, zones: dict[str | None, int | None], need: int) -> list[Job]:
+    """Running jobs that will finish within ``reclaim_grace_s`` on their own (predicted remaining
+    steps x mean step), holding GPUs in ``zones``, not yet promised to another waiting job: the
+    fewest, soonest first, that give ``need`` GPUs back; empty when they cannot. Waiting for them
+    is as quick as a reclaim (which takes a save) and costs nobody a restart."""
+    book = state.teams
+    if book._finishing is None:
+        horizon = state.config.reclaim_grace_s
+        soon = []
+        for other in state.jobs.values():
+            if not other.holdings or other.phase != "running" or other.name in state.busy:
+                continue
+            left_s = other.remaining_steps * predict(other, state.config).mean_step_s
+            if left_s <= horizon:
+                soon.append((left_s, other.name, other))
+        book._finishing = [j for _, _, j in sorted(soon)]
+    picked, gpus = [], 0
+    for other in book._finishing:
+        if other.name in book.promised or other.name in state.acted:
+            continue
+        mine = sum(1 for h in other.holdings if state.view.zone(h.gpu) in zones)
+        if mine:
+            picked.append(other)
+            gpus += mine
+            if gpus >= need:
+                book.promised.update(j.name for j in picked)
+                return picked
+    return []
 
 
 def reclaim_words(state: PlanningPass, requester: Job, victim: Job) -> str:

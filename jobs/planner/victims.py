@@ -211,6 +211,7 @@ def take_from_victims(
     my_rank = PRIORITY_RANK[job.priority]
     zone_set = set(zones)
     floors: dict[str, int] = {}
+    book = state.teams
 
     def candidates() -> Iterator[Job]:
         # victim_pool() is in victim order (lower class, elastic, cheapest first), so the
@@ -229,6 +230,10 @@ def take_from_victims(
                 if entry.excess and (forced or not entry.protected):
                     floors[other.name] = other.dp
                 elif not (aged and not entry.protected and not entry.aged):
+                    continue
+                elif book and not forced and other.team != job.team and book.reclaimable(other, job.team) <= 0:
+                    # A long waiter does not take from a team within its quota (rule 9): that
+                    # team would only reclaim them back, and both would pay a restart.
                     continue
             else:
                 continue

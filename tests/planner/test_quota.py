@@ -190,3 +190,33 @@ def test_a_borrower_protected_by_its_minimum_run_is_looked_at_again_when_it_ends
     recent = job("v-recent", tp=8, dp=4, gpus=gpus_on(*ALL), team="vision", run_started_s=9_000.0, min_run_s=7200.0)
     result = plan(snap([recent, job("s-new", tp=8, dp=2, team="speech", submit_s=9_500.0)], teams), 10_000.0)
     assert not acts(result, "preempt") and result.wake_at_s == 16_200.0
+
+
+def test_a_borrower_about_to_finish_is_waited_for_instead_of_reclaimed_but_only_within_the_grace():
+    teams = [Team("vision", quota_gpus=0), Team("speech", quota_gpus=16)]
+    ending = job("v-ending", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision", run_started_s=0.0,
+                 min_run_s=0.0, committed_steps=9_990, total_steps=10_000, step_times=(1.0,) * 10)
+    going = job("v-going", tp=8, dp=2, gpus=gpus_on("r0s0n2", "r0s0n3"), team="vision", run_started_s=0.0,
+                min_run_s=0.0)
+    fresh = job("s-new", tp=8, dp=2, team="speech", submit_s=9_990.0, queued_since_s=9_990.0)
+    result = plan(snap([ending, going, fresh], teams), 10_000.0)
+    assert not acts(result, "preempt")  # 10 steps of 1 s left: it frees its GPUs sooner than a save would
+    hold = acts(result, "hold")["s-new"]
+    assert hold.reason.inputs["cause"] == "waiting_for_completion" and hold.reason.inputs["finishing"] == ["v-ending"]
+    assert "16 GPUs come free within 1 min when v-ending finishes" in hold.reason.text
+    # Waited past the grace (the prediction failed): reclaim as usual.
+    late = job("s-new", tp=8, dp=2, team="speech", submit_s=9_900.0, queued_since_s=9_900.0)
+    assert acts(plan(snap([ending, going, late], teams), 10_000.0), "preempt")
+
+
+def test_a_long_waiter_does_not_take_from_a_team_within_its_quota():
+    teams = [Team("vision", quota_gpus=0), Team("speech", quota_gpus=32)]
+    # vision's job has waited past ageing_s; speech's regular jobs run within speech's quota.
+    held = [job(f"s{i}", tp=8, dp=1, gpus=gpus_on(ALL[i]), team="speech", run_started_s=0.0, min_run_s=0.0)
+            for i in range(4)]
+    aged = job("v-aged", tp=8, dp=1, team="vision", submit_s=0.0, queued_since_s=0.0)
+    result = plan(snap([*held, aged], teams), 20_000.0)
+    assert not acts(result, "preempt") and not acts(result, "shrink")
+    # Without teams the same long waiter takes GPUs from a regular job that had its minimum run.
+    result = plan(Snapshot(NODES, tuple(held) + (aged,)), 20_000.0)
+    assert acts(result, "preempt")
