@@ -1,4 +1,4 @@
-"""The discrete-event simulator: replays scenario files under the planner and two baselines.
+"""The discrete-event simulator: replays scenario files under the planner, the static and kill_preempt baselines and the peers (slurm, kueue, elastic).
 
 Pure Python, no Django. ``load_scenario`` validates a file (``jobs.simulator.scenario``),
 ``simulate`` replays it (``jobs.simulator.engine``), ``jobs.simulator.cli.main`` is the command

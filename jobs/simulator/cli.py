@@ -1,8 +1,8 @@
 """Command line for the simulator: ``python -m jobs.simulator.cli`` and ``manage.py simulate``.
 
-``simulate SCENARIO.json [--policy omni|static|kill_preempt|all] [--json] [--events]
-[--html FILE] [--progress]``. Without ``--json`` it prints a small side-by-side table of the
-policies. A bad scenario file exits with status 2 and one line on stderr naming the field
+``simulate SCENARIO.json [--policy omni|static|kill_preempt|slurm|kueue|elastic|all] [--json]
+[--events] [--html FILE] [--progress]``. Without ``--json`` it prints a small side-by-side table
+of the policies, then each one's completion time and queueing delay per class. A bad scenario file exits with status 2 and one line on stderr naming the field
 (``jobs[3].tp: 16 exceeds gpus_per_node 8``), never a traceback. Progress goes to stderr once
 per simulated day, only when stderr is a terminal or with ``--progress``.
 """
@@ -25,27 +25,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The simulator's arguments (shared by the CLI and the management command)."""
     parser.add_argument("scenario", help="scenario JSON file (see docs/simulator.md)")
     parser.add_argument("--policy", choices=(*POLICIES, "all"), default="all",
-                        help="which policy to replay (default: all three side by side)")
+                        help="which policy to replay (default: all of them side by side)")
     parser.add_argument("--json", action="store_true", help="print results as JSON (a list with --policy all)")
     parser.add_argument("--events", action="store_true", help="include the ordered audit records in the JSON")
     parser.add_argument("--html", metavar="FILE", help="also write a Plotly HTML report to FILE")
     parser.add_argument("--progress", action="store_true", help="report progress per simulated day on stderr")
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     """A small plain-text table of the policies side by side."""
     first = results[0]
+    bound = first.get("utilization_bound")
     lines = [f"scenario: {first['scenario']}  (horizon {first['horizon_s'] / 3600:.1f} h, "
-             f"{len(first['jobs'])} jobs)"]
-    header = f"{'policy':<13} {'utilization':>11} {'shortfall':>10} {'preempt(graceful)':>18} {'lost GPU-s':>12} {'violations':>10}"
+             f"{len(first['jobs'])} jobs" + (f", fluid bound {bound * 100:.1f}%" if bound is not None else "") + ")"]
+    header = (f"{'policy':<13} {'utilization':>11} {'goodput':>8} {'of bound':>8} {'shortfall':>10} "
+              f"{'preempt(graceful)':>18} {'per done':>8} {'lost GPU-s':>12} {'violations':>10}")
     lines.append(header)
     lines.append("-" * len(header))
     for r in results:
         pre = f"{r['preemptions']} ({r['graceful_preemptions']})"
+        per = r.get("preemptions_per_completed_job")
         lines.append(
-            f"{r['policy']:<13} {r['utilization'] * 100:>10.1f}% {r['reservation_shortfall'] * 100:>9.2f}% "
-            f"{pre:>18} {r['lost_gpu_s']:>12.0f} {len(r['invariant_violations']):>10}"
+            f"{r['policy']:<13} {r['utilization'] * 100:>10.1f}% {r.get('goodput', 0) * 100:>7.1f}% "
+            f"{r.get('bound_share', 0) * 100:>7.1f}% {r['reservation_shortfall'] * 100:>9.2f}% "
+            f"{pre:>18} {'-' if per is None else f'{per:.2f}':>8} {r['lost_gpu_s']:>12.0f} "
+            f"{len(r['invariant_violations']):>10}"
         )
+    lines.append("completion time / queueing delay, median and p95 in seconds, per class (done/jobs):")
+    for r in results:
+        parts = []
+        for cls, fig in (r.get("classes") or {}).items():
+            if cls == "all" or not fig["jobs"]:
+                continue
+            parts.append(f"{cls} ({fig['completed']}/{fig['jobs']}) jct {_seconds(fig['jct_median_s'])}/"
+                         f"{_seconds(fig['jct_p95_s'])} queue {_seconds(fig['queue_median_s'])}/"
+                         f"{_seconds(fig['queue_p95_s'])}")
+        lines.append(f"  [{r['policy']}] " + "; ".join(parts))
     for r in results:
         if "quota_shortfall" in r:
             jain = "n/a" if r["jain_index"] is None else f"{r['jain_index']:.3f}"

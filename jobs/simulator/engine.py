@@ -1,7 +1,8 @@
 """The discrete-event engine: plays the cluster, the clock and the trainer agents.
 
 ``simulate(scenario, policy) -> dict`` replays a ``Scenario`` under ``omni`` (the production
-planner, ``jobs.planner.plan``), ``static`` or ``kill_preempt`` and returns the result dict.
+planner, ``jobs.planner.plan``), a baseline or a peer (``jobs.simulator.policies`` registers
+them all) and returns the result dict.
 
 How time advances: a heap of events (arrivals, segment ends, saves, loads, idle phases,
 window boundaries, faults, planner wake-ups and a periodic tick). A running job computes in
@@ -35,7 +36,6 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from jobs.planner import plan as omni_plan
@@ -56,11 +56,12 @@ from jobs.planner.snapshot import (
 )
 from jobs.simulator import results
 from jobs.simulator.apply import apply_action
+from jobs.simulator.policies import POLICIES, QUOTA_POLICIES, planner_for
 from jobs.simulator.scenario import JobSpec, Scenario
 from jobs.simulator.state import EPS, Op, SimJob
 from jobs.simulator.teams import TeamLedger
 
-POLICIES = ("omni", "static", "kill_preempt")
+__all__ = ["POLICIES", "Simulation", "simulate", "stderr_progress"]
 #: Between milestones a job's step count reaches the planner at most this often.
 SNAPSHOT_PROGRESS_S = 300.0
 
@@ -118,9 +119,10 @@ class Simulation:
             if spec.team is not None and spec.priority == "critical":
                 self.team_critical.setdefault(spec.team, []).append(spec.name)
         self.ledger = TeamLedger(scenario.teams, self.config.fair_share_half_life_s) if scenario.teams else None
-        # The quota invariant holds a policy to quotas it honours: ``static`` is FCFS and ignores
-        # them (its quota_shortfall is still measured, as the baseline).
-        self.quota_invariant = policy != "static"
+        # The quota invariant holds a policy to quotas it honours (``policies.QUOTA_POLICIES``);
+        # the others' quota_shortfall is still measured, as baselines.
+        self.quota_invariant = policy in QUOTA_POLICIES
+        self.decide = planner_for(policy, scenario)
         self.state_version = 0
         self.pool_of_node = {n: r.name for r in self.reservations for n in r.nodes}
         self.owner: dict[Gpu, str] = {}
@@ -134,6 +136,7 @@ class Simulation:
         self.records: list[dict[str, Any]] = []
         self.useful_gpu_s = 0.0
         self.healthy_gpu_s = 0.0
+        self.allocated_gpu_s = 0.0  # GPUs held by any job, integrated (goodput's denominator)
         self.lost_by_cause = {"kill": 0.0, "fault": 0.0}
         self.preemptions = 0
         self.graceful_preemptions = 0
@@ -728,14 +731,9 @@ class Simulation:
     def _plan(self) -> None:
         snap = self.snapshot()
         self.planner_calls += 1
-        if self.policy == "static":
-            from jobs.simulator.policies import plan_static
-
-            # The FCFS baseline ignores quotas (it still knows each job's team, to resolve a
-            # team's reservation to its owner).
-            result: Plan = plan_static(replace(snap, teams=()), self.now, self.config)
-        else:
-            result = omni_plan(snap, self.now, self.config)
+        # The production planner is looked up at call time (tests substitute it).
+        decide = omni_plan if self.policy in ("omni", "kill_preempt") else self.decide
+        result: Plan = decide(snap, self.now, self.config)
         for action in result.actions:
             apply_action(self, action)
         if result.wake_at_s is not None and result.wake_at_s > self.now + EPS and result.wake_at_s not in self.wakes:

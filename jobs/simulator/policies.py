@@ -9,14 +9,36 @@ continues on its survivors or waits for its full size).
 ``kill_preempt`` is not here: it is the production planner with
 ``PlannerConfig(reclaim_mode="kill")``: it lends reserved GPUs the same way but takes them
 back at the moment of need by killing the borrower without a checkpoint.
+
+The peers (``slurm``, ``kueue``, ``elastic``) live in ``jobs.simulator.peers``; this module
+registers every policy (``POLICIES``, ``planner_for``) and says which are held to the quota
+invariant (``QUOTA_POLICIES``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import TIER_OTHER, PlanningPass
 from jobs.planner.decisions import Plan
+from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import Job, Snapshot
+
+if TYPE_CHECKING:
+    from jobs.simulator.scenario import JobSpec, Scenario
+
+#: Every policy ``simulate --policy`` accepts (``all`` runs them in this order).
+POLICIES = ("omni", "static", "kill_preempt", "slurm", "kueue", "elastic")
+#: Policies that honour team quotas, so the quota invariant holds them to them: ``static`` is
+#: FCFS, ``slurm`` orders by fair share but guarantees no quota (``GrpTRES`` would only cap), and
+#: ``elastic`` knows no teams.
+QUOTA_POLICIES = frozenset({"omni", "kill_preempt", "kueue"})
+
+PlanFunction = Callable[[Snapshot, float, PlannerConfig], Plan]
 
 
 class StaticPass(PlanningPass):
@@ -73,3 +95,36 @@ class StaticPass(PlanningPass):
 def plan_static(snapshot: Snapshot, now_s: float, config: PlannerConfig) -> Plan:
     """One pass of the ``static`` baseline."""
     return StaticPass(snapshot, now_s, config.with_overrides({"ageing_s": 0.0})).run()
+
+
+def _plan_static_without_teams(snapshot: Snapshot, now_s: float, config: PlannerConfig) -> Plan:
+    # The FCFS baseline ignores quotas (it still knows each job's team, to resolve a team's
+    # reservation to its owner).
+    return plan_static(replace(snapshot, teams=()), now_s, config)
+
+
+def planner_for(policy: str, scenario: Scenario) -> PlanFunction:
+    """The plan function that decides for ``policy`` on ``scenario``."""
+    from jobs.simulator import peers
+
+    if policy in ("omni", "kill_preempt"):
+        return omni_plan
+    if policy == "static":
+        return _plan_static_without_teams
+    if policy == "slurm":
+        # GraceTime covers the slowest save plus two steps (at dp_min, the slowest size).
+        grace = peers.grace_time_for([(j.checkpoint.save_s, step_time_at(_spec_job(j), j.dp_min))
+                                      for j in scenario.jobs])
+        return peers.slurm_planner(peers.SlurmConfig(grace_time_s=grace))
+    if policy == "kueue":
+        return peers.plan_kueue
+    if policy == "elastic":
+        return peers.plan_elastic
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def _spec_job(spec: JobSpec) -> Job:
+    """A planner ``Job`` with just a spec's shape (for ``step_time_at``)."""
+    return Job(name=spec.name, priority=spec.priority, tp=spec.tp, pp=spec.pp, dp=spec.dp, dp_min=spec.dp_min,
+               dp_max=spec.dp_max, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+               total_steps=spec.total_steps, step_s=spec.step_s, comm_fraction=spec.comm_fraction)

@@ -4,10 +4,14 @@
 ``--json`` (metrics, ``jobs``, ``events``, and the sampled ``timeline`` when present) and writes
 a page that opens offline (plotly.js is embedded inline, no CDN) with:
 
-1. GPUs over time by priority class, allocated vs useful, one panel per policy;
-2. each critical job's entitlement vs delivery, every policy overlaid;
-3. a per-job Gantt chart with preemptions marked, one panel per policy;
-4. the metrics side by side.
+1. the metrics side by side (every figure the simulator reports: utilisation, goodput, the
+   fluid bound and the share of it, shortfall, preemptions, lost work, and per class the median
+   and p95 completion time and queueing delay);
+2. completion-time CDFs per class, every policy overlaid;
+3. utilisation over time (useful / healthy GPUs), every policy overlaid;
+4. GPUs over time by priority class, allocated vs useful, one panel per policy;
+5. each critical job's entitlement vs delivery, every policy overlaid;
+6. a per-job Gantt chart with preemptions marked, one panel per policy.
 
 Pure Python (plotly only, no Django); see ``docs/traces.md`` for how it is used.
 """
@@ -25,7 +29,8 @@ from plotly.subplots import make_subplots
 
 PRIORITY_CLASSES = ("critical", "regular", "best_effort")
 CLASS_COLOURS = {"critical": "#d62728", "regular": "#1f77b4", "best_effort": "#2ca02c"}
-POLICY_DASHES = ("solid", "dash", "dot", "dashdot")
+POLICY_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+POLICY_COLOURS = ("#000000", "#7f7f7f", "#d62728", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b")
 
 # How a Gantt bar ended, when the simulator says so (segments' ``end``): marked with a cross.
 SEGMENT_MARKS = {"preempted": ("preemption", "black"), "killed": ("killed (no checkpoint)", "#b00"),
@@ -40,16 +45,28 @@ MAX_POINTS_PER_SERIES = 4000
 MAX_GANTT_JOBS = 150
 METRIC_COLUMNS = (
     ("utilization", "utilization", "pct"),
+    ("goodput", "goodput (useful / allocated GPU-s)", "pct"),
+    ("utilization_bound", "fluid bound on utilization", "pct"),
+    ("bound_share", "share of the bound", "pct"),
     ("reservation_shortfall", "reservation shortfall", "pct"),
     ("reservation_shortfall_faults_aside", "shortfall, faults aside", "pct"),
     ("preemptions", "preemptions", "int"),
     ("graceful_preemptions", "graceful preemptions", "int"),
+    ("preemptions_per_completed_job", "preemptions per completed job", "ratio"),
+    ("resizes", "resizes", "int"),
     ("lost_gpu_s", "lost GPU-s", "num"),
     ("invariant_violations", "invariant violations", "count"),
     ("useful_gpu_s", "useful GPU-s", "num"),
     ("healthy_gpu_s", "healthy GPU-s", "num"),
     ("planner_calls", "planner calls", "int"),
     ("wall_s", "simulation wall s", "num"),
+)
+
+CLASS_COLUMNS = (
+    ("jct_median_s", "median completion time"),
+    ("jct_p95_s", "p95 completion time"),
+    ("queue_median_s", "median queueing delay"),
+    ("queue_p95_s", "p95 queueing delay"),
 )
 
 
@@ -60,6 +77,8 @@ def write_html(results: list[dict], path: str | Path) -> None:
     scenario = str(results[0].get("scenario", "scenario"))
     sections: list[tuple[str, str]] = [("Metrics", metrics_table_html(results))]
     figures = [
+        ("Job completion time CDF per class", completion_cdf_figure(results)),
+        ("Utilisation over time: useful / healthy GPUs", utilization_figure(results)),
         ("GPUs over time by class: allocated vs useful", gpu_time_figure(results)),
         ("Critical jobs: entitlement vs delivery", entitlement_figure(results)),
         ("Per-job Gantt (preemptions marked)", gantt_figure(results)),
@@ -104,6 +123,10 @@ def _format_metric(value: Any, kind: str) -> str:
         return f"{100 * value:.2f}%"
     if kind == "int" and isinstance(value, int | float):
         return f"{int(value)}"
+    if kind == "ratio" and isinstance(value, int | float):
+        return f"{value:.2f}"
+    if kind == "s" and isinstance(value, int | float):
+        return f"{value:,.0f} s"
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
     return html.escape(str(value))
@@ -121,6 +144,13 @@ def metrics_table_html(results: Sequence[Mapping[str, Any]]) -> str:
         for r in results
     )
     rows.append(f"<tr><td>jobs finished</td>{finished}</tr>")
+    for cls in PRIORITY_CLASSES:
+        if not any(((r.get("classes") or {}).get(cls) or {}).get("jobs") for r in results):
+            continue
+        for key, label in CLASS_COLUMNS:
+            cells = "".join(f"<td>{_format_metric(((r.get('classes') or {}).get(cls) or {}).get(key), 's')}</td>"
+                            for r in results)
+            rows.append(f"<tr><td>{html.escape(cls)}: {html.escape(label)}</td>{cells}</tr>")
     table = f"<table id=\"metrics\"><tr><th>metric</th>{header}</tr>{''.join(rows)}</table>"
     violations = []
     for r in results:
@@ -129,6 +159,73 @@ def metrics_table_html(results: Sequence[Mapping[str, Any]]) -> str:
     if violations:
         table += f"<ul>{''.join(violations)}</ul>"
     return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies side by side
+
+
+def _policy_line(index: int) -> dict[str, Any]:
+    return {"color": POLICY_COLOURS[index % len(POLICY_COLOURS)], "dash": POLICY_DASHES[index % len(POLICY_DASHES)]}
+
+
+def completion_cdf(result: Mapping[str, Any], priority: str) -> tuple[list[float], list[float]]:
+    """Sorted completion times (s) of a class and the share of the class's jobs done by each: a
+    job that never completes keeps the curve below 1."""
+    jobs = [j for j in result.get("jobs", []) if j.get("priority") == priority]
+    times = sorted(float(j["jct_s"]) for j in jobs if j.get("jct_s") is not None)
+    return times, [(i + 1) / len(jobs) for i in range(len(times))]
+
+
+def completion_cdf_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
+    """One panel per class with completed jobs, one CDF line per policy (hours on a log axis)."""
+    classes = [c for c in PRIORITY_CLASSES if any(completion_cdf(r, c)[0] for r in results)]
+    if not classes:
+        return None
+    figure = make_subplots(rows=1, cols=len(classes), subplot_titles=classes, shared_yaxes=True)
+    for col, priority in enumerate(classes, start=1):
+        for index, result in enumerate(results):
+            times, shares = completion_cdf(result, priority)
+            if not times:
+                continue
+            policy = result.get("policy", "?")
+            figure.add_trace(go.Scatter(
+                x=[t / 3600.0 for t in _thin(times)], y=_thin(shares), name=f"{policy} completion",
+                legendgroup=f"cdf-{policy}", showlegend=col == 1, line={"shape": "hv", **_policy_line(index)},
+                hovertemplate=f"{policy}: %{{y:.0%}} of {priority} jobs done within %{{x:.2f}} h",
+            ), row=1, col=col)
+        figure.update_xaxes(title_text="completion time (hours)", type="log", row=1, col=col)
+    figure.update_yaxes(title_text="share of the class's jobs", range=[0, 1.02], row=1, col=1)
+    figure.update_layout(height=420, margin={"t": 40, "b": 40})
+    return figure
+
+
+def utilization_figure(results: Sequence[Mapping[str, Any]]) -> go.Figure | None:
+    """Useful GPUs over healthy GPUs at each timeline sample, one line per policy."""
+    figure = go.Figure()
+    for index, result in enumerate(results):
+        timeline = _thin([s for s in result.get("timeline") or [] if isinstance(s, Mapping) and "useful" in s])
+        if not timeline:
+            continue
+        policy = result.get("policy", "?")
+        share = [sum(float(v) for v in (s.get("useful") or {}).values()) / float(s.get("healthy_gpus") or 1)
+                 for s in timeline]
+        mean = result.get("utilization")
+        label = f"{policy} useful" + (f" (mean {100 * mean:.1f}%)" if isinstance(mean, int | float) else "")
+        figure.add_trace(go.Scatter(
+            x=[float(s.get("t", 0.0)) / 3600.0 for s in timeline], y=share, name=label,
+            line={"shape": "hv", "width": 1.5, **_policy_line(index)},
+            hovertemplate=f"{policy}: %{{y:.0%}} useful at %{{x:.2f}} h",
+        ))
+    if not figure.data:
+        return None
+    bound = results[0].get("utilization_bound")
+    if isinstance(bound, int | float):
+        figure.add_hline(y=bound, line={"color": "#999", "dash": "dot"},
+                         annotation_text=f"fluid bound {100 * bound:.1f}% (mean)")
+    figure.update_layout(height=380, margin={"t": 40, "b": 40}, xaxis_title="hours",
+                         yaxis={"title": "useful / healthy GPUs", "range": [0, 1.05], "tickformat": ".0%"})
+    return figure
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ Result shape (FORMAT.md fields plus extras), JSON-able::
      reservation_shortfall_faults_aside, preemptions, graceful_preemptions, lost_gpu_s,
      lost_gpu_s_by_cause: {kill, fault}, useful_gpu_s, healthy_gpu_s,
      invariant_violations: [str], planner_calls, wall_s,
+     goodput, allocated_gpu_s, utilization_bound, bound_useful_gpu_s, bound_share,
+     preemptions_per_completed_job, resizes,
+     classes: {critical|regular|best_effort|all: {jobs, completed, jct_median_s, jct_p95_s,
+               queue_median_s, queue_p95_s, preemptions}},
      jobs: [{name, priority, submit_s, start_s, end_s, steps_done, preemptions, jct_s,
              lost_gpu_s,
              segments: [{start_s, end_s, gpus, end}]}],
@@ -29,7 +33,12 @@ Result shape (FORMAT.md fields plus extras), JSON-able::
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from jobs.planner.entitlements import is_active
 from jobs.planner.snapshot import PRIORITIES, Reservation
@@ -37,6 +46,7 @@ from jobs.simulator.state import EPS
 
 if TYPE_CHECKING:
     from jobs.simulator.engine import Simulation
+    from jobs.simulator.scenario import Scenario
 
 
 def entitlement(sim: Simulation, res: Reservation, t: float) -> tuple[int, int]:
@@ -59,6 +69,7 @@ def advance(sim: Simulation, t: float) -> None:
     if b > a:
         healthy = sim.total_gpus - sum(sim.nodes[name].gpus for name in sim.down)
         sim.healthy_gpu_s += healthy * (b - a)
+        sim.allocated_gpu_s += len(sim.owner) * (b - a)
         if sim.ledger is not None:
             sim.ledger.advance(sim, a, b)
         for res in sim.reservations:
@@ -157,8 +168,153 @@ def result(sim: Simulation, wall_s: float) -> dict[str, Any]:
         "jobs": jobs_out,
         "timeline": sim.timeline,
     }
+    completed = sum(1 for j in jobs_out if j["end_s"] is not None)
+    bound = utilization_bound(sim.scenario)
+    out.update({
+        "goodput": round(sim.useful_gpu_s / sim.allocated_gpu_s, 6) if sim.allocated_gpu_s else 0.0,
+        "allocated_gpu_s": round(sim.allocated_gpu_s, 3),
+        "utilization_bound": bound["utilization_bound"],
+        "bound_useful_gpu_s": bound["bound_useful_gpu_s"],
+        "bound_share": round(out["utilization"] / bound["utilization_bound"], 6) if bound["utilization_bound"] else 0.0,
+        "preemptions_per_completed_job": round(sim.preemptions / completed, 6) if completed else None,
+        "resizes": sum(1 for j in jobs_out for seg in j["segments"] if seg["end"] == "resized"),
+        "classes": class_figures(jobs_out, sim.horizon),
+    })
     if sim.ledger is not None:
         out.update(sim.ledger.result(sim))
     if sim.record_events:
         out["events"] = sim.records
+    return out
+
+
+# --- completion time and queueing delay per class ----------------------------------------------
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median (the mean of the middle two for an even count), None for no values."""
+    return round(float(statistics.median(values)), 3) if values else None
+
+
+def p95(values: Sequence[float]) -> float | None:
+    """The 95th percentile by nearest rank (the smallest value at or above 95% of them)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(float(ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]), 3)
+
+
+def class_figures(jobs_out: Sequence[dict[str, Any]], horizon_s: float) -> dict[str, dict[str, Any]]:
+    """Per priority class (and ``all``): completion time (``jct_s``) over completed jobs, queueing
+    delay (first start - submission) over submitted jobs, a job never started counting its wait
+    to the horizon (so a policy that starves a job is not flattered by leaving it out)."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls in (*PRIORITIES, "all"):
+        jobs = [j for j in jobs_out if (cls == "all" or j["priority"] == cls) and j["submit_s"] < horizon_s]
+        jct = [j["jct_s"] for j in jobs if j["jct_s"] is not None]
+        queue = [(j["start_s"] if j["start_s"] is not None else horizon_s) - j["submit_s"] for j in jobs]
+        out[cls] = {
+            "jobs": len(jobs),
+            "completed": len(jct),
+            "jct_median_s": median(jct),
+            "jct_p95_s": p95(jct),
+            "queue_median_s": median(queue),
+            "queue_p95_s": p95(queue),
+            "preemptions": sum(j["preemptions"] for j in jobs),
+        }
+    return out
+
+
+# --- the fluid bound -----------------------------------------------------------------------------
+
+_BOUNDS: dict[int, tuple[Scenario, dict[str, float]]] = {}
+
+
+def waterfill(caps: np.ndarray, capacity: float) -> np.ndarray:
+    """Rates that share ``capacity`` max-min fairly among jobs each capped at ``caps``."""
+    if caps.sum() <= capacity:
+        return caps.astype(float)
+    ordered = np.sort(caps)
+    n = len(ordered)
+    before = np.concatenate(([0.0], np.cumsum(ordered)[:-1]))
+    level = (capacity - before) / (n - np.arange(n))
+    k = int(np.argmax(level <= ordered))
+    return np.minimum(caps, level[k]).astype(float)
+
+
+def utilization_bound(scenario: Scenario) -> dict[str, float]:
+    """The useful GPU-seconds a fluid relaxation could serve, over healthy GPU-seconds.
+
+    Work is infinitely divisible and needs no saves, loads or whole replicas; each job, from its
+    arrival (to its cancellation, if any), may use at most ``dp_max * tp * pp`` GPUs, and its
+    work is what its steps count as useful at ``dp_max`` (the most any size counts: at ``d``
+    replicas a step is worth ``tp*pp * step_s * (comm_fraction * d + (1 - comm_fraction) * dp)``
+    GPU-seconds); capacity is the healthy GPUs at each instant (node_down / node_up). Between
+    events the capacity is shared by water-filling (max-min fair, each job capped). Reservations,
+    windows, fragmentation and checkpoint costs are all ignored, so no policy can exceed it.
+    Policy-independent: computed once per scenario.
+    """
+    hit = _BOUNDS.get(id(scenario))
+    if hit is not None and hit[0] is scenario:
+        return hit[1]
+    horizon = scenario.horizon_s
+    node_gpus = {n.name: n.gpus for n in scenario.nodes}
+    total = float(sum(node_gpus.values()))
+    cancel_at = {ev.job: ev.at_s for ev in scenario.events if ev.kind == "cancel" and ev.job}
+    # (time, order, kind, payload): capacity changes first, then arrivals, then cancels.
+    timeline: list[tuple[float, int, str, Any]] = []
+    for ev in scenario.events:
+        if ev.kind in ("node_down", "node_up") and ev.at_s < horizon:
+            timeline.append((ev.at_s, 0, ev.kind, ev.node))
+    for i, spec in enumerate(scenario.jobs):
+        if spec.submit_s >= horizon or cancel_at.get(spec.name, math.inf) <= spec.submit_s:
+            continue
+        rep = spec.tp * spec.pp
+        c = spec.comm_fraction
+        volume = spec.total_steps * rep * spec.step_s * (c * spec.dp_max + (1 - c) * spec.dp)
+        timeline.append((spec.submit_s, 1, "arrive", (i, volume, float(spec.dp_max * rep))))
+        if spec.name in cancel_at and cancel_at[spec.name] < horizon:
+            timeline.append((cancel_at[spec.name], 2, "cancel", i))
+    timeline.sort(key=lambda e: (e[0], e[1]))
+    timeline.append((horizon, 3, "end", None))
+    down: set[str] = set()
+    ids: list[int] = []
+    vols = np.zeros(0)
+    caps = np.zeros(0)
+    served = 0.0
+    healthy_s = 0.0
+    t = 0.0
+    for at, _, kind, payload in timeline:
+        capacity = total - sum(node_gpus.get(n, 0) for n in down)
+        healthy_s += capacity * max(0.0, at - t)
+        while t < at - 1e-9 and len(ids):
+            rates = waterfill(caps, capacity)
+            with np.errstate(divide="ignore"):
+                finish = np.where(rates > 0, vols / np.where(rates > 0, rates, 1.0), np.inf)
+            dt = min(at - t, float(finish.min()))
+            served += float(rates.sum()) * dt
+            vols = vols - rates * dt
+            t += dt
+            keep = vols > 1e-6 * np.maximum(1.0, caps)
+            if not keep.all():
+                ids = [x for x, k in zip(ids, keep, strict=True) if k]
+                vols, caps = vols[keep], caps[keep]
+        t = at
+        if kind == "node_down":
+            down.add(payload)
+        elif kind == "node_up":
+            down.discard(payload)
+        elif kind == "arrive":
+            i, volume, cap = payload
+            ids.append(i)
+            vols = np.append(vols, volume)
+            caps = np.append(caps, cap)
+        elif kind == "cancel" and payload in ids:
+            keep = np.array([x != payload for x in ids])
+            ids = [x for x in ids if x != payload]
+            vols, caps = vols[keep], caps[keep]
+    out = {
+        "bound_useful_gpu_s": round(served, 3),
+        "utilization_bound": round(served / healthy_s, 6) if healthy_s else 0.0,
+    }
+    _BOUNDS[id(scenario)] = (scenario, out)
     return out

@@ -47,7 +47,7 @@ def test_report_has_every_chart_and_the_metrics(tmp_path: Path) -> None:
     path = tmp_path / "report.html"
     write_html([fake_result(policy) for policy in POLICIES], path)
     page = path.read_text()
-    assert page.count('class="plotly-graph-div"') == 3
+    assert page.count('class="plotly-graph-div"') == 5
     for name in ("useful critical", "allocated regular", "allocated best_effort", "entitled",
                  "kill_preempt delivered", "critical running", "preemption"):
         assert f'"name":"{name}"' in page, name
@@ -102,7 +102,7 @@ def test_report_of_a_real_simulation(tmp_path: Path) -> None:
     path = tmp_path / "report.html"
     write_html(results, path)
     page = path.read_text()
-    assert page.count('class="plotly-graph-div"') == 3
+    assert page.count('class="plotly-graph-div"') == 5
     assert '"name":"omni delivered"' in page and '"name":"healthy GPUs"' in page
     assert '"y":["pretrain"' in page or '"pretrain"' in page
     assert not re.search(r"<script[^>]*\bsrc=", page)

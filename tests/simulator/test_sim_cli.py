@@ -28,7 +28,7 @@ def test_json_for_one_policy_is_one_object_and_all_is_a_list(capsys: pytest.Capt
     assert one["policy"] == "omni" and "events" not in one
     assert main([SCENARIO, "--policy", "all", "--json", "--events"]) == 0
     many = json.loads(capsys.readouterr().out)
-    assert [r["policy"] for r in many] == ["omni", "static", "kill_preempt"]
+    assert [r["policy"] for r in many] == ["omni", "static", "kill_preempt", "slurm", "kueue", "elastic"]
     kinds = {e["kind"] for e in many[0]["events"]}
     assert {"place", "reclaim", "recover"} <= kinds
 
