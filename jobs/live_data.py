@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DatabaseError
-from django.db.models import Avg, Case, Count, ExpressionWrapper, F, FloatField, Max, Q, Sum, Value, When
+from django.db.models import Avg, Case, Count, Max, Q, Sum, Value, When
 from django.utils import timezone
 
 from jobs.live_events import describe_event
@@ -385,8 +385,8 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
     utilisation point). Counts are the cluster's, for everyone; the queue names every waiting
     job with why it waits, and is cut per viewer (``jobs.live_consumers.payload_for_viewer``).
     Nine queries (one less with no job waiting, one less with no team, one less given the planner's
-    ``control``), one of them
-    the jobs losing most GPU time (``losing_jobs``), two the teams' standings (one with no team; ``teams``:
+    ``control``): one of them the jobs losing most GPU time and the prediction accuracy
+    (``measured_summary``), two the teams' standings (one with no team; ``teams``:
     jobs.team_data.team_standings, the console's team bars; no job named, so no cut).
     """
 
@@ -399,6 +399,7 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
     run = PlannerRun.objects.order_by("-started_at").first()
     control = control or PlannerControl.load()
     gpus_total = sum(row["gpus"] for row in nodes.values())
+    losing, predictions = measured_summary()
     return {
         "at": _iso(now),
         "nodes": sum(row["n"] for row in nodes.values()),
@@ -422,7 +423,8 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
              "why": pending_reason(job, holds.get(job.pk))}
             for job in queue
         ],
-        "losing": losing_jobs(),
+        "losing": losing,
+        "predictions": predictions,
         "teams": team_standings(gpus_total=gpus_total),
     }
 
@@ -430,19 +432,36 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
 LOSING_LIMIT = 5
 
 
-def losing_jobs(limit: int = LOSING_LIMIT) -> list[dict[str, Any]]:
-    """The running jobs whose GPUs compute least, by GPUs x the share of wall time lost (recent
-    steps, docs/rhythm.md), and to what: the operator console's list. One query."""
-    rows = (JobRhythm.objects.filter(job__state__in=(JobState.RUNNING, JobState.RESIZING), lost_share__gt=0.005)
-            .annotate(gpus=Count("job__allocations"))
-            .annotate(lost_gpus=ExpressionWrapper(F("gpus") * F("lost_share"), output_field=FloatField()))
-            .filter(gpus__gt=0).order_by("-lost_gpus")
-            .values("job_id", "job__name", "job__owner__username", "job__priority", "gpus", "lost_share", "lost_to",
-                    "lost_gpus")[:limit])
-    return [{"id": r["job_id"], "name": r["job__name"], "owner": r["job__owner__username"] or "",
-             "priority": r["job__priority"], "priority_label": Priority(r["job__priority"]).label, "gpus": r["gpus"], "lost_gpus": round(r["lost_gpus"], 2),
-             "share": round(r["lost_share"], 3), "to": r["lost_to"], "words": lost_words(r["lost_share"], r["lost_to"])}
-            for r in rows]
+PREDICTION_KINDS = (("step", "next step time"), ("save", "save time"), ("idle", "next idle window"),
+                    ("reclaim", "reclaim stop"))
+
+
+def measured_summary(limit: int = LOSING_LIMIT) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """From the running jobs' measured rhythm (docs/rhythm.md), in one query: the jobs whose GPUs
+    compute least, by GPUs x the share of wall time lost, and to what (the operator console's
+    list); and how well the planner's predictions came true across them, per kind: the median
+    of the jobs' p50 errors and the 95th percentile of their p95s."""
+    rows = list(JobRhythm.objects.filter(job__state__in=(JobState.RUNNING, JobState.RESIZING))
+                .annotate(gpus=Count("job__allocations")).filter(gpus__gt=0)
+                .values("job_id", "job__name", "job__owner__username", "job__priority", "gpus", "lost_share",
+                        "lost_to", "accuracy"))
+    lossy = sorted((r for r in rows if (r["lost_share"] or 0.0) > 0.005),
+                   key=lambda r: (-r["gpus"] * r["lost_share"], r["job__name"]))[:limit]
+    losing = [{"id": r["job_id"], "name": r["job__name"], "owner": r["job__owner__username"] or "",
+               "priority": r["job__priority"], "priority_label": Priority(r["job__priority"]).label, "gpus": r["gpus"],
+               "lost_gpus": round(r["gpus"] * r["lost_share"], 2), "share": round(r["lost_share"], 3),
+               "to": r["lost_to"], "words": lost_words(r["lost_share"], r["lost_to"])}
+              for r in lossy]
+    predictions = []
+    for kind, words in PREDICTION_KINDS:
+        scored = [r["accuracy"][kind] for r in rows if kind in (r["accuracy"] or {})]
+        if not scored:
+            continue
+        p50s = sorted(a["p50"] for a in scored)
+        p95s = sorted(a["p95"] for a in scored)
+        predictions.append({"kind": kind, "words": words, "jobs": len(scored), "p50": round(p50s[len(p50s) // 2], 4),
+                            "p95": round(p95s[min(len(p95s) - 1, int(0.95 * len(p95s)))], 4)})
+    return losing, predictions
 
 
 # -- measured rhythm (docs/rhythm.md) --------------------------------------------------------------

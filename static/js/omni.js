@@ -765,6 +765,10 @@
       $("#queue-count").textContent = String(s.queue.length);
       $("#queue tbody").replaceChildren(...(s.queue.length ? s.queue.map(queueRow)
         : [el("tr", {}, [el("td", {colspan: "6", class: "muted", text: "Nothing is waiting."})])]));
+      const predictions = s.predictions || [];  // the line templates/jobs/console.html renders in #predictions
+      $("#predictions [data-f=predictions]").textContent = predictions.length
+        ? predictions.map((p) => `${p.words} p50 ${Number(p.p50).toFixed(3)}, p95 ${Number(p.p95).toFixed(3)} (${p.jobs} job${p.jobs === 1 ? "" : "s"})`).join("; ")
+        : "nothing scored yet";
       const losing = s.losing || [];
       $("#losing tbody").replaceChildren(...(losing.length ? losing.map(losingRow)
         : [el("tr", {}, [el("td", {colspan: "5", class: "muted", text: "No running job is losing GPU time (or none has sent 10 step records yet)."})])]));

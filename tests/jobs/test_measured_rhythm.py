@@ -120,7 +120,10 @@ def test_the_console_lists_the_jobs_losing_most_gpu_time_and_to_what(running, ma
         r["data_wait_s"], r["compute_s"], r["comm_s"] = 0.7, 0.25, 0.05
     actions.observe_step_records(job.pk, steady)
     actions.observe_step_records(stalled.pk, starved)
-    losing = cluster_summary()["losing"]
+    summary = cluster_summary()
+    losing = summary["losing"]
+    # Both jobs' step times were predicted exactly (constant records): the pooled accuracy says so.
+    assert summary["predictions"] == [{"kind": "step", "words": "next step time", "jobs": 2, "p50": 0.0, "p95": 0.0}]
     # One GPU three-quarters lost outweighs two a fifth lost.
     assert [(item["name"], item["gpus"], item["to"]) for item in losing] == [("stalled", 1, "data_wait"), ("measured", 2, "comm")]
     assert losing[1]["lost_gpus"] == pytest.approx(2 * 0.2, abs=0.01)

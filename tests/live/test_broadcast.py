@@ -226,8 +226,8 @@ def test_a_transaction_of_one_or_ten_audit_rows_is_built_with_the_same_queries(f
     flushes.clear()
     for n in (1, 10):
         _rows_in_one_transaction(job, nodes, n)
-    # The rows (with the row before them), their nodes, the allocations; the cluster summary's seven.
-    assert counted == [3 + 7, 3 + 7]
+    # The rows (with the row before them), their nodes, the allocations; the cluster summary's eight (seven, and one for the teams: there are none).
+    assert counted == [3 + 8, 3 + 8]
     one, ten = ([p for _, event, p in events(batches) if event == "audit"] for batches in flushes)
     assert (len(one), len(ten)) == (1, 10)
     chain = [p for _, event, p in events(flushes[1]) if event == "chain"]
