@@ -2,8 +2,9 @@
 
 The agent authenticates with its node's bearer token (``jobs.agent_auth``, the same check as the
 HTTP fallback and telemetry ingestion); a missing or wrong token gets the socket closed with
-4401 / 4403 and a log line (never the token). After ``hello`` the server replays
-every unacknowledged command for the node, then streams new ones as ``send_node_commands``
+4401 / 4403 and a log line (never the token). After ``hello`` the server fences stray workers,
+sends to recovery the runs a restarted agent lost (``jobs.actions.agents.reconcile_lost_runs``),
+replays every unacknowledged command for the node, then streams new ones as ``send_node_commands``
 sends them to the ``agent-{node id}`` group (through jobs.live: one ``command`` message each,
 a node's commands in one batch). Malformed frames and unknown command ids are answered with an
 ``error`` frame and change nothing.
@@ -51,6 +52,8 @@ run_in_pool = sync_to_async(_in_pool, thread_sensitive=False)
 
 # Step-record frames waiting for the database, per socket; beyond this the oldest are dropped.
 MAX_QUEUED_STEP_FRAMES = 200
+# The command ids a hello's ``applied`` may list that are read (the agent sends its last 50).
+MAX_APPLIED_IDS = 4096
 # Logs frames waiting, per socket: far more than an agent's window allows (docs/logs.md).
 MAX_QUEUED_LOG_FRAMES = 64
 
@@ -215,16 +218,21 @@ class AgentConsumer(AsyncWebsocketConsumer):
                     await self.close(code=protocol.CLOSE_PROTOCOL_ERROR)
 
     async def on_hello(self, frame: dict[str, Any]) -> None:
-        """Fence workers for jobs no longer placed here, then replay every unacked command."""
+        """Fence workers for jobs no longer placed here, recover the runs a restarted agent lost,
+        then replay every unacked command."""
         workers = [w for w in frame.get("workers", []) if isinstance(w, dict)]
         inventory = frame.get("inventory") if isinstance(frame.get("inventory"), dict) else {}
-        frames = await database_sync_to_async(self._hello_frames)(workers, str(inventory.get("address") or ""))
+        applied = frame.get("applied") if isinstance(frame.get("applied"), list) else []
+        applied = [a for a in applied[:MAX_APPLIED_IDS] if isinstance(a, str)]
+        frames = await database_sync_to_async(self._hello_frames)(
+            workers, str(inventory.get("address") or ""), applied)
         for item in frames:
             await self.send_frame(item)
 
-    def _hello_frames(self, workers: list[dict[str, Any]], address: str = "") -> list[dict[str, Any]]:
+    def _hello_frames(self, workers: list[dict[str, Any]], address: str = "",
+                      applied: list[str] | None = None) -> list[dict[str, Any]]:
         assert self.node is not None
-        actions.record_agent_hello(self.node, workers, address)
+        actions.record_agent_hello(self.node, workers, address, applied or [])
         commands = actions.claim_commands_for_dispatch(self.node.id, include_sent=True)
         return [actions.command_frame(c) for c in commands]
 

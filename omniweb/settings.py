@@ -65,6 +65,10 @@ try:
     # Ports for jobs' torchrun rendezvous on their leader node (docs/workloads.md).
     OMNI_RDZV_PORTS = env_port_range("OMNI_RDZV_PORTS", "29400-29999")
     OMNI_COMMAND_MAX_ATTEMPTS = env_int("OMNI_COMMAND_MAX_ATTEMPTS", 3, minimum=1)
+    # A start, resume or resize acknowledged but not reported done within this long (and past its
+    # deadline, if it has one) expires and its job recovers (docs/control-loop.md). A resize's done
+    # waits for a checkpoint save: keep it above the slowest save.
+    OMNI_COMMAND_DONE_TIMEOUT_S = env_float("OMNI_COMMAND_DONE_TIMEOUT_S", 300.0, minimum=1.0)
     # Planner knob overrides as JSON, e.g. {"startup_s": 2, "reclaim_margin_s": 2} (tests, demo).
     OMNI_PLANNER_OVERRIDES = env_json_object("OMNI_PLANNER_OVERRIDES")
     # Fault injection for the control-loop tests: hold each planner pass's transaction open
@@ -170,6 +174,17 @@ TEMPLATES = [
     },
 ]
 
+# The "throttle" cache counts failed sign-ins and tokens (jobs/api/throttles.py): in Redis in
+# production, so every server process counts together; in memory in embedded mode (one process).
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "throttle": (
+        {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL, "KEY_PREFIX": "omni"}
+        if REDIS_URL else
+        {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "throttle"}
+    ),
+}
+
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
@@ -243,11 +258,22 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "jobs.api.auth.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.BasicAuthentication",
+        # No Basic: each Basic header costs a password hash, a CPU lever and a password oracle.
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    # JSON through the agent protocol's strict loader: deep nesting, 1e999, a lone surrogate: 400.
+    "DEFAULT_PARSER_CLASSES": [
+        "omniweb.parsers.StrictJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "jobs.api.pagination.ApiPagination",
     "PAGE_SIZE": 50,
+    # Failed sign-ins and tokens per client address (jobs/api/throttles.py); only failures count.
+    "DEFAULT_THROTTLE_RATES": {"login": "10/min", "api_token": "20/min", "agent_token": "20/min"},
+    # The client address of a throttle: REMOTE_ADDR, or behind the TLS proxy (OMNI_TLS_PROXY_HEADER)
+    # the address that proxy appended to X-Forwarded-For; a client's own X-Forwarded-For is ignored.
+    "NUM_PROXIES": 1 if OMNI_TLS_PROXY_HEADER else 0,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "jobs.api.errors.exception_handler",
 }

@@ -1,8 +1,10 @@
 """What node agents report (docs/control-loop.md): hello, heartbeats, step records and workers
-that exit on their own; and fencing the workers a node should no longer run."""
+that exit on their own; fencing the workers a node should no longer run, and on hello the runs
+a restarted agent lost."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from django.db import transaction
@@ -20,24 +22,85 @@ from jobs.actions._common import (
 )
 from jobs.actions.commands import (
     OPEN_COMMAND_STATES,
+    decision_of,
     dispatch_on_commit,
+    expire_commands,
     record_job_fault,
     write_stop_commands,
 )
 from jobs.audit import record_event
 from jobs.models import Allocation, Command, Job, JobState, Node, NodeState
+from jobs.models.commands import CommandState
 from jobs.vocab import CommandKind, EventKind
 
 
+def record_agent_hello(node: Node, workers: list[dict[str, Any]], address: str = "",
+                       applied: Iterable[Any] = ()) -> list[Command]:
+    """An agent (re)connected: note it alive (and where other nodes reach it), fence its stray
+    workers, then reconcile what it runs with what is placed on it (``reconcile_lost_runs``).
+    Returns the stops written for strays.
+
+    Two transactions, on purpose: fencing locks the node row, reconciling locks job rows, and a
+    planner pass locks a job before it references a node; holding both here could deadlock."""
+    with transaction.atomic():
+        changes: dict[str, Any] = {"last_heartbeat_at": timezone.now()}
+        if isinstance(address, str) and 0 < len(address) <= 255:
+            changes["address"] = address
+        Node.objects.filter(pk=node.pk).update(**changes)
+        fenced = fence_stray_workers(node, workers)
+    reconcile_lost_runs(node, workers, applied)
+    return fenced
+
+
 @transaction.atomic
-def record_agent_hello(node: Node, workers: list[dict[str, Any]], address: str = "") -> list[Command]:
-    """An agent (re)connected: note it alive (and where other nodes reach it) and fence its
-    stray workers."""
-    changes: dict[str, Any] = {"last_heartbeat_at": timezone.now()}
-    if isinstance(address, str) and 0 < len(address) <= 255:
-        changes["address"] = address
-    Node.objects.filter(pk=node.pk).update(**changes)
-    return fence_stray_workers(node, workers)
+def reconcile_lost_runs(node: Node, workers: list[dict[str, Any]], applied: Iterable[Any]) -> list[Job]:
+    """Jobs placed on the node whose current run the agent no longer has, each a fault (back to
+    its last checkpoint; the planner recovers it), with an audit row that says so.
+
+    A job is lost here when it is running (or resizing) with GPUs on the node, the node was sent
+    a ``start`` or ``resume`` for its current run, the agent reports no worker of that run, no
+    command of the job is still pending or sent to the node (those are replayed right after the
+    hello, so the agent gets them again), and the agent does not list that launch among the
+    commands it ``applied``: it is a new process (restarted, its ranks died with the old one), so
+    an acknowledged command it forgot will never be answered either (it expires). A launch the
+    agent does list is its own: its workers ended while the socket was down, and their ``exit``
+    report follows the hello. Returns the jobs sent to recovery.
+    """
+    known = {a for a in applied if isinstance(a, str)}
+    reported: dict[str, set[str]] = {}  # job -> run ids of its workers here ("" for a member, which names none)
+    for worker in workers:
+        if isinstance(worker.get("job"), str):
+            run_id = worker.get("run_id")
+            reported.setdefault(worker["job"], set()).add(run_id if isinstance(run_id, str) else "")
+    placed = Allocation.objects.filter(node=node).values("job_id")
+    lost: list[Job] = []
+    for job in (Job.objects.select_for_update().filter(pk__in=placed, state__in=(JobState.RUNNING, JobState.RESIZING))
+                .exclude(run_id="").order_by("name")):
+        runs = reported.get(job.name, set())
+        if job.run_id in runs or "" in runs:
+            continue
+        open_commands = list(Command.objects.select_for_update().filter(node=node, job=job,
+                                                                        state__in=OPEN_COMMAND_STATES))
+        if any(c.state in (CommandState.PENDING, CommandState.SENT) for c in open_commands):
+            continue
+        launch = (Command.objects.filter(node=node, job=job, kind__in=(CommandKind.START, CommandKind.RESUME),
+                                         payload__run_id=job.run_id).order_by("-created_at").first())
+        if launch is None or str(launch.id) in known:
+            continue  # nothing launched here for this run yet (a resize's new node), or the agent's own
+        forgotten = [c for c in open_commands if c.state == CommandState.ACKED]
+        expire_commands(forgotten, f"{node.name} reconnected without it (the agent restarted)")
+        answered = "acknowledged" if launch.state == CommandState.ACKED else f"reported {launch.state}"
+        text = (f"{node.name} reconnected without the workers of job {job.name} (run {job.run_id}): its agent no "
+                f"longer knows the {launch.kind} it {answered} (it restarted, and its ranks did not survive), "
+                "so nothing of this run runs there")
+        control_logger.warning("%s", text)
+        record_job_fault(job, agent_actor(node), text, command=launch, refers_to=decision_of(launch),
+                         extra={"run_id": job.run_id, "lost_on": node.name,
+                                "expired_commands": [str(c.id) for c in forgotten]})
+        lost.append(job)
+    if lost:
+        trigger_plan("lost_run")
+    return lost
 
 
 @transaction.atomic

@@ -22,6 +22,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from jobs import live
@@ -554,9 +555,11 @@ def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None
 @transaction.atomic
 def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
     """Retry sent commands not acknowledged in time; expire them after the last attempt; treat a
-    preempt past its deadline as a kill. The planner is told about every expiry."""
+    preempt past its deadline as a kill; expire a ``start``, ``resume`` or ``resize`` that stays
+    acknowledged without a ``done`` for ``OMNI_COMMAND_DONE_TIMEOUT_S`` (and past its deadline,
+    if it has one): its job recovers. The planner is told about every expiry."""
     now = now or timezone.now()
-    counts = {"retried": 0, "expired": 0, "killed": 0}
+    counts = {"retried": 0, "expired": 0, "killed": 0, "stalled": 0}
     timeout = timedelta(seconds=settings.OMNI_COMMAND_ACK_TIMEOUT_S)
     retry_nodes: set[int] = set()
     overdue = Command.objects.select_for_update(of=("self",)).filter(state=CommandState.SENT, sent_at__lt=now - timeout)
@@ -574,29 +577,53 @@ def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
     for command in late.select_related("node", "job"):
         _expire(command, "checkpoint not confirmed by the deadline")
         counts["killed"] += 1
+    # Acknowledged is not done: an agent that acked a launch and then died, or lost the command,
+    # never answers it, and nothing else would ever move the job (docs/control-loop.md).
+    done_timeout_s = settings.OMNI_COMMAND_DONE_TIMEOUT_S
+    stalled = Command.objects.select_for_update(of=("self",)).filter(
+        Q(deadline_at__isnull=True) | Q(deadline_at__lt=now),
+        kind__in=LAUNCH_COMMANDS, state=CommandState.ACKED, acked_at__lt=now - timedelta(seconds=done_timeout_s),
+    )
+    for command in stalled.select_related("node", "job"):
+        waited_s = (now - command.acked_at).total_seconds() if command.acked_at else done_timeout_s
+        _expire(command, f"acknowledged {waited_s:.0f} s ago but never reported done "
+                f"(OMNI_COMMAND_DONE_TIMEOUT_S is {done_timeout_s:g} s)", any_node=True)
+        counts["stalled"] += 1
     dispatch_on_commit(retry_nodes)
-    if counts["expired"] or counts["killed"]:
+    if counts["expired"] or counts["killed"] or counts["stalled"]:
         trigger_plan("command_expired")
     return counts
+
+
+def expire_commands(commands: Iterable[Command], why: str) -> list[Command]:
+    """Expire open commands that will never be answered, saying why; what that means for their
+    jobs is the caller's to record (inside the caller's transaction)."""
+    expired = []
+    for command in commands:
+        command.error = why
+        command.save(update_fields=[*command.transition_to(CommandState.EXPIRED), "error"])
+        expired.append(command)
+    return expired
 
 
 @transaction.atomic
 def expire_node_commands(node: Node, why: str) -> None:
     """Expire every open command of a node (it failed: none will be answered)."""
-    for command in Command.objects.select_for_update().filter(node=node, state__in=OPEN_COMMAND_STATES):
-        command.error = why
-        command.save(update_fields=[*command.transition_to(CommandState.EXPIRED), "error"])
+    expire_commands(Command.objects.select_for_update().filter(node=node, state__in=OPEN_COMMAND_STATES), why)
 
 
-def _expire(command: Command, why: str) -> None:
-    command.error = why
-    command.save(update_fields=[*command.transition_to(CommandState.EXPIRED), "error"])
+def _expire(command: Command, why: str, *, any_node: bool = False) -> None:
+    """Expire one command and apply what that means to its job: a leader's (or, with
+    ``any_node``, any node's) launch of the job's current run is a fault; a late preempt a kill."""
+    expire_commands([command], why)
     control_logger.warning("command %s (%s on %s) expired: %s", command.id, command.kind, command.node.name, why)
-    if command.job_id is None or not command.payload.get("leader", True):
+    if command.job_id is None or not (any_node or command.payload.get("leader", True)):
         return
     job = Job.objects.select_for_update().get(pk=command.job_id)
     decision = decision_of(command)
     actor = "system"
+    # A launch of an older run (the job recovered or resized since) says nothing about this one.
+    current_run = command.payload.get("run_id") in (None, "", job.run_id)
     if command.kind == CommandKind.PREEMPT and job.state == JobState.CHECKPOINTING:
         nodes = job_nodes(job)
         gpus_before = job.allocations.count()
@@ -609,6 +636,6 @@ def _expire(command: Command, why: str) -> None:
                      outcome={"steps_lost": lost, "resume_from_step": job.last_checkpoint_step},
                      reason={"rule": "deadline", "text": f"{job.name}: {why}; killed, GPUs released, "
                              f"{lost} steps lost (resumes from step {job.last_checkpoint_step}).", "inputs": {}})
-    elif command.kind in LAUNCH_COMMANDS and job.state in (JobState.RUNNING, JobState.RESIZING):
+    elif command.kind in LAUNCH_COMMANDS and job.state in (JobState.RUNNING, JobState.RESIZING) and current_run:
         record_job_fault(job, actor, f"{command.kind} of {job.name} on {command.node.name} expired: {why}",
                          command=command, refers_to=decision)

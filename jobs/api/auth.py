@@ -5,7 +5,9 @@ is stored (``jobs.models.tokens``): the digest of the token presented finds its 
 token, an unknown one or a disabled account is a 401 that says which; the token itself is
 never logged. Token requests need no CSRF token (a browser never sends this header on its own,
 DRF's TokenAuthentication convention); session requests keep CSRF. ``last_used_at`` is written
-at most once a minute, so a busy script does not turn every read into a write.
+at most once a minute, so a busy script does not turn every read into a write. Failed tokens are
+counted per client address (``jobs.api.throttles``): past the ``api_token`` rate a token request
+is a 429 with ``Retry-After`` before its token is looked up.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.plumbing import build_bearer_security_scheme_object
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
-from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.request import Request
 
+from jobs.api.throttles import API_TOKEN, FailedAttempts
 from jobs.models import ApiToken, hash_api_token
 
 logger = logging.getLogger("jobs.api")
@@ -33,6 +36,7 @@ MALFORMED = "malformed Authorization header: send 'Authorization: Token <token>'
 UNKNOWN = "invalid API token"
 REVOKED = "this API token has been revoked"
 DISABLED = "the API token's account is disabled"
+THROTTLED = "too many failed API tokens from your address"
 
 
 class ApiTokenAuthentication(BaseAuthentication):
@@ -43,20 +47,23 @@ class ApiTokenAuthentication(BaseAuthentication):
         words = get_authorization_header(request).split()
         if not words or words[0].lower() != KEYWORD.lower().encode():
             return None
+        failures = FailedAttempts(API_TOKEN)
+        if (wait := failures.retry_after_s(request)) is not None:
+            raise Throttled(wait, detail=f"{THROTTLED}: try again in {wait} s")
         if len(words) != 2:
-            raise AuthenticationFailed(MALFORMED)
+            self._refuse(request, MALFORMED, None, failures)
         try:
             token = words[1].decode()
         except UnicodeDecodeError:
-            raise AuthenticationFailed(MALFORMED) from None
+            self._refuse(request, MALFORMED, None, failures)
         digest = hash_api_token(token)
         row = ApiToken.objects.select_related("user").filter(digest=digest).first()
         if row is None or not hmac.compare_digest(row.digest, digest):
-            self._refuse(request, UNKNOWN, None)
+            self._refuse(request, UNKNOWN, None, failures)
         if row.revoked_at is not None:
-            self._refuse(request, REVOKED, row)
+            self._refuse(request, REVOKED, row, failures)
         if not row.user.is_active:
-            self._refuse(request, DISABLED, row)
+            self._refuse(request, DISABLED, row, failures)
         self._note_use(row)
         return row.user, row
 
@@ -64,7 +71,8 @@ class ApiTokenAuthentication(BaseAuthentication):
         # Makes an unauthenticated API request a 401 that names the scheme, not a bare 403.
         return KEYWORD
 
-    def _refuse(self, request: Request, why: str, row: ApiToken | None) -> NoReturn:
+    def _refuse(self, request: Request, why: str, row: ApiToken | None, failures: FailedAttempts) -> NoReturn:
+        failures.record(request)
         who = f"token {row.prefix}… of {row.user.get_username()}" if row is not None else "unknown token"
         logger.warning("API request refused: %s (%s, peer %s)", why, who, request.META.get("REMOTE_ADDR", "-"))
         raise AuthenticationFailed(why)

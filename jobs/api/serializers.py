@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from drf_spectacular.extensions import OpenApiSerializerExtension
 from rest_framework import serializers
 
 from jobs import roles
@@ -66,7 +67,8 @@ class NoBodySerializer(StrictFields, serializers.Serializer):
 
 class AllocationSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name")
-    borrowed_from = serializers.CharField(source="borrowed_from.name", default=None)
+    borrowed_from = serializers.CharField(source="borrowed_from.name", default=None, allow_null=True, read_only=True,
+                                          help_text="The reservation this GPU is only lent from; null: not a loan.")
 
     class Meta:
         model = Allocation
@@ -77,7 +79,7 @@ class JobSerializer(serializers.ModelSerializer):
     """A job in full, or its summary (``roles.summarise``) for a viewer who may see only that."""
 
     owner = serializers.CharField(source="owner.username", read_only=True)
-    team = serializers.CharField(source="team.name", default=None, read_only=True,
+    team = serializers.CharField(source="team.name", default=None, allow_null=True, read_only=True,
                                  help_text="The team whose quota it runs under (docs/teams.md); null: none.")
     gpus = serializers.SerializerMethodField()
     allocations = AllocationSerializer(many=True, read_only=True)
@@ -114,6 +116,23 @@ class JobSerializer(serializers.ModelSerializer):
         if request is not None and roles.job_visibility(request.user, job) is not roles.Visibility.FULL:
             return roles.summarise(data)
         return {**data, "visibility": "full"}
+
+
+class JobSchema(OpenApiSerializerExtension):
+    """A job reads in full or as its summary (``roles.summarise``), so the schema requires only
+    the summary's fields, and says ``visibility``: a full record's other fields are present then."""
+
+    target_class = JobSerializer
+
+    def map_serializer(self, auto_schema, direction):
+        schema = auto_schema._map_serializer(self.target, direction, bypass_extensions=True)
+        schema["properties"]["visibility"] = {
+            "type": "string", "enum": ["full", "summary"], "readOnly": True,
+            "description": "full: every field; summary: only id, name, owner, priority, state, gpus and the like.",
+        }
+        schema["required"] = [name for name in schema.get("required", []) if name in roles.SUMMARY_FIELDS]
+        schema["required"].append("visibility")
+        return schema
 
 
 class JobSubmitSerializer(StrictFields, serializers.Serializer):

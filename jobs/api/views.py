@@ -1,7 +1,8 @@
 """API views: thin shells over jobs.actions, with role checks, filters and pagination.
 
 Every write refuses the fields it does not take (``serializers.StrictFields``), actions without a
-body too (``no_body``): an unknown field is a 400, never silently dropped.
+body too (``no_body``): an unknown field is a 400, never silently dropped. A method a view does
+not offer is a 405 before any role check (``MethodBeforePermission``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import MethodNotAllowed, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -70,7 +71,19 @@ def _time_filter(request: Request, name: str):
     return parsed
 
 
-class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class MethodBeforePermission:
+    """A method the view does not offer is a 405, whoever asks: DRF checks permissions before it
+    looks for the handler, so ``PUT /api/nodes/1/`` from a researcher was a 403 that read as
+    "operators may", though no one may."""
+
+    def check_permissions(self, request: Request) -> None:
+        method = request.method.lower()
+        if method not in self.http_method_names or not hasattr(self, method):
+            raise MethodNotAllowed(request.method)
+        super().check_permissions(request)
+
+
+class JobViewSet(MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Jobs: everyone with a role reads what ``roles.job_visibility`` allows; researchers submit
     and cancel their own.
 
@@ -142,7 +155,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return Response(job_log_page(request, pk))
 
 
-class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class NodeViewSet(MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Nodes: everyone with a role reads; operators register, cordon, drain, uncordon and repair."""
 
     serializer_class = NodeSerializer
@@ -183,6 +196,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
 
 class ReservationViewSet(
+    MethodBeforePermission,
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
     mixins.CreateModelMixin,
@@ -213,7 +227,7 @@ class ReservationViewSet(
         return Response(ReservationSerializer(reservation).data)
 
 
-class TeamViewSet(viewsets.GenericViewSet):
+class TeamViewSet(MethodBeforePermission, viewsets.GenericViewSet):
     """Teams (docs/teams.md): everyone with a role reads their standing (GPUs held now against
     quota and borrowing limit), members, jobs (as ``roles.job_visibility`` allows) and
     reservations; operators create, edit (``PATCH``) and delete them and change their members.
@@ -296,7 +310,7 @@ class TeamViewSet(viewsets.GenericViewSet):
         return Response(team_detail(team, request.user)["members"])
 
 
-class ElasticEventViewSet(viewsets.ReadOnlyModelViewSet):
+class ElasticEventViewSet(MethodBeforePermission, viewsets.ReadOnlyModelViewSet):
     """The audit log: operators and auditors read everything, researchers the rows of the jobs
     they may see in full (``roles.visible_jobs``: their own, or every job's with
     ``OMNI_JOB_VISIBILITY=all``)."""

@@ -222,8 +222,11 @@ def admit(state: PlanningPass, job: Job) -> None:
                             f"then it starts with {gpu_shape(job.tp, job.pp, within[0])}, within its team's quota.",
                             gpus_needed=q_need, gpus_free=q_free, finishing=names)
                 return
-            if state._try_victims(job, within[0], q_zones, rank, False, kind, entitled, quota=True):
-                return
+            # The largest size its quota covers that the borrowers' excess can make room for.
+            for d in within:
+                if state._try_victims(job, d, q_zones if d == within[0] else state._zones_for(job, d), rank, False,
+                                      kind, entitled, quota=True):
+                    return
     # (d) Critical work takes GPUs from cheaper victims at its preferred size (rule 4);
     # (e) others first start smaller on what is free (they grow later), and only then take
     # GPUs from victims, for their smallest batch-exact size.

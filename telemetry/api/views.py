@@ -6,16 +6,21 @@ field (nothing stored), a re-sent batch 200 with ``"duplicate": true``.
 
 from __future__ import annotations
 
-from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
-from rest_framework import status
+from drf_spectacular.utils import extend_schema, extend_schema_view
+from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from omniweb.parsers import StrictJSONParser
 from telemetry.api.auth import IsNodeAgent, NodeTokenAuthentication
-from telemetry.api.parsers import StrictJSONParser
+from telemetry.api.serializers import (
+    BATCH_ERRORS_SCHEMA,
+    GpuBatchSerializer,
+    IngestResultSerializer,
+    StepBatchSerializer,
+)
 from telemetry.ingest import IngestResult, ingest_gpu_batch, ingest_step_batch
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -30,7 +35,6 @@ class _BatchView(APIView):
     def ingest(self, node, batch) -> IngestResult:
         raise NotImplementedError
 
-    @extend_schema(request=OpenApiTypes.OBJECT, responses={200: OpenApiTypes.OBJECT, 400: OpenApiTypes.OBJECT})
     def post(self, request: Request) -> Response:
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -42,6 +46,12 @@ class _BatchView(APIView):
         return Response(result.as_dict(), status=status.HTTP_200_OK)
 
 
+def _batch_schema(batch: type[serializers.Serializer]):
+    return extend_schema_view(post=extend_schema(
+        request=batch, responses={200: IngestResultSerializer, 400: BATCH_ERRORS_SCHEMA}))
+
+
+@_batch_schema(GpuBatchSerializer)
 class GpuBatchView(_BatchView):
     """A node agent's batch of GPU samples."""
 
@@ -49,6 +59,7 @@ class GpuBatchView(_BatchView):
         return ingest_gpu_batch(node, batch)
 
 
+@_batch_schema(StepBatchSerializer)
 class StepBatchView(_BatchView):
     """A node agent's batch of step records, for jobs placed on its node only (400 otherwise)."""
 

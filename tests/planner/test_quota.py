@@ -220,3 +220,14 @@ def test_a_long_waiter_does_not_take_from_a_team_within_its_quota():
     # Without teams the same long waiter takes GPUs from a regular job that had its minimum run.
     result = plan(Snapshot(NODES, tuple(held) + (aged,)), 20_000.0)
     assert acts(result, "preempt")
+
+
+def test_a_team_below_its_quota_reclaims_for_a_smaller_size_when_the_excess_is_smaller():
+    teams = [Team("vision", quota_gpus=24), Team("speech", quota_gpus=16)]
+    # vision is 8 over; speech's elastic job prefers 16 but starts at 8: it reclaims those 8.
+    borrower = job("v-big", tp=8, dp=4, dp_min=3, global_batch=64 * 12, gpus=gpus_on(*ALL), team="vision",
+                   run_started_s=0.0, min_run_s=0.0)
+    owed = job("s-new", tp=8, dp=2, dp_min=1, team="speech", submit_s=9_000.0)
+    result = plan(snap([borrower, owed], teams), 10_000.0)
+    shrink = acts(result, "shrink")["v-big"]
+    assert shrink.reason.rule == "quota.reclaim" and len(shrink.gpus_after) == 24

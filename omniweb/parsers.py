@@ -1,7 +1,9 @@
-"""The JSON parser of the ingestion endpoints: agent JSON is decoded by the protocol's strict
-loader (``trainer_agent.protocol.loads_strict``), the same as on the agent socket, so a batch
-nested 50,000 deep, holding ``1e999``, an integer past 64 bits or a lone surrogate is a 400 and
-never reaches validation or the database."""
+"""The API's JSON parser, for people's requests and agents' alike: a body is decoded by the agent
+protocol's strict loader (``trainer_agent.protocol.loads_strict``, the same as on the agent
+socket), so JSON nested 50,000 deep, holding ``1e999``, an integer past 64 bits or a lone
+surrogate is a 400 and never reaches a serializer, an action or the database. It is
+``DEFAULT_PARSER_CLASSES``' JSON parser (omniweb/settings.py) and the telemetry endpoints' only one.
+"""
 
 from __future__ import annotations
 
