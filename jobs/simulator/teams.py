@@ -218,6 +218,8 @@ class TeamLedger:
                 for v in victims:
                     mine_v: dict[str, int] = {}
                     for g in v.gpus + v.incoming:
+                        if g.node in sim.pool_of_node:
+                            continue  # a reservation's GPUs on loan: they go back to its pool, not to a quota
                         mine_v[g.node] = mine_v.get(g.node, 0) + 1
                     for node, n in mine_v.items():
                         cand[node] = cand.get(node, 0) + min(n, give[v.spec.name])
