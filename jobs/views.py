@@ -266,7 +266,7 @@ def submission_preview(checked: SubmissionCheck, wrong: set[str] = frozenset()) 
 def _job_for(request: HttpRequest, pk: int) -> Job:
     """The job if the viewer may open its page: 404 when they may not know of it, 403 when they
     may only see its summary (no page links there: ``{% job_link %}`` renders plain text)."""
-    job = get_object_or_404(roles.visible_jobs(request.user, Job.objects.select_related("owner")), pk=pk)
+    job = get_object_or_404(roles.visible_jobs(request.user, Job.objects.select_related("owner", "team")), pk=pk)
     if roles.job_visibility(request.user, job) is not roles.Visibility.FULL:
         raise PermissionDenied(f"{job.name} belongs to {job.owner.username}: its details are visible to its owner, "
                                "operators and auditors; its summary is on the jobs list")

@@ -183,6 +183,16 @@ def test_a_researchers_submit_goes_to_their_default_team(operator, researcher, o
     assert make_job(name="opted-out", team=None).team is None
 
 
+def test_the_job_page_names_the_jobs_team_with_a_link_to_it(operator, researcher, org, make_job, client):
+    actions.add_team_member(org["vision"], operator, researcher)
+    teamed, loose = make_job(name="teamed"), make_job(name="loose", team=None)
+    client.force_login(researcher)
+    page = client.get(f"/jobs/{teamed.pk}/").content.decode()
+    assert f'team <a href="/teams/{org["vision"].pk}/"><b>vision</b></a>' in page
+    assert 'team <b title="a job of no team has no quota: it only borrows">none</b>' in \
+        client.get(f"/jobs/{loose.pk}/").content.decode()
+
+
 def test_a_researcher_submits_only_to_a_team_they_are_in_an_operator_to_any(operator, researcher, org, make_job):
     with pytest.raises(ValidationError) as caught:
         make_job(name="elsewhere", team=org["speech"])
