@@ -387,19 +387,12 @@ class RhythmState:
     def _note_wall(self, step_s: float, off: float, off_kind: str, record: Mapping[str, Any]) -> None:
         """The wall time of this step and the gap before it, split: compute, data wait,
         communication, checkpoints, pauses (an EWMA over about ``LOSS_STEPS`` steps)."""
-        parts = {name: max(0.0, _finite(record.get(f"{name}_s")) or 0.0) for name in SHARES}
-        total = sum(parts.values())
-        if total > step_s > 0:
-            parts = {name: v * step_s / total for name, v in parts.items()}
-        elif total < step_s:
-            parts["compute"] += step_s - total  # time the record did not attribute counts as the step's own
+        parts = _within_step(step_s, {name: max(0.0, _finite(record.get(f"{name}_s")) or 0.0) for name in SHARES})
+        parts["compute"] += max(0.0, step_s - sum(parts.values()))  # time not attributed is the step's own
         parts.update(checkpoint=0.0, pause=0.0)
         parts[off_kind] += off
         parts["wall"] = step_s + off
-        alpha = 2.0 / (min(self.records + 1, LOSS_STEPS) + 1)
-        for name, value in parts.items():
-            previous = self.wall_s.get(name)
-            self.wall_s[name] = value if previous is None else previous + alpha * (value - previous)
+        _blend(self.wall_s, parts, 2.0 / (min(self.records + 1, LOSS_STEPS) + 1))
 
     def lost(self) -> tuple[float, str] | None:
         """The share of wall time the job's GPUs are not computing, and what takes most of it."""
@@ -416,19 +409,10 @@ class RhythmState:
         parts = {name: _finite(record.get(f"{name}_s")) for name in SHARES}
         if any(v is None for v in parts.values()):
             return
-        parts = {name: max(0.0, v) for name, v in parts.items()}
-        # The parts come from different ranks (the slowest's wait and communication, the mean
-        # compute) and may add up to more than the step: scale them to it, so shares sum to 1 at most.
-        total = sum(parts.values())
-        if total > step_s > 0:
-            parts = {name: v * step_s / total for name, v in parts.items()}
+        parts = _within_step(step_s, {name: max(0.0, v) for name, v in parts.items()})
         parts["step"] = step_s
-        fast = 2.0 / (min(self.records + 1, SHORT_STEPS) + 1)
-        slow = 2.0 / (min(self.records + 1, LONG_STEPS) + 1)
-        for seconds, alpha in ((self.recent_s, fast), (self.usual_s, slow)):
-            for name, value in parts.items():
-                previous = seconds.get(name)
-                seconds[name] = value if previous is None else previous + alpha * (value - previous)
+        _blend(self.recent_s, parts, 2.0 / (min(self.records + 1, SHORT_STEPS) + 1))
+        _blend(self.usual_s, parts, 2.0 / (min(self.records + 1, LONG_STEPS) + 1))
         self.shares = {n: self.recent_s[n] / self.recent_s["step"] for n in SHARES}
         self.long_shares = {n: self.usual_s[n] / self.usual_s["step"] for n in SHARES}
         before, now = self.long_shares["compute"], self.shares["compute"]
@@ -476,6 +460,22 @@ class RhythmState:
                 continue
             ratios = self.rank_ratios.get(str(rank), [])
             self.rank_ratios[str(rank)] = (ratios + [value / others])[-STRAGGLER_WINDOW:]
+
+
+def _within_step(step_s: float, parts: dict[str, float]) -> dict[str, float]:
+    """Seconds per part of a step, scaled down to the step when they add up to more: they come
+    from different ranks (the slowest's wait and communication, the mean compute)."""
+    total = sum(parts.values())
+    if total > step_s > 0:
+        return {name: v * step_s / total for name, v in parts.items()}
+    return parts
+
+
+def _blend(seconds: dict[str, float], parts: Mapping[str, float], alpha: float) -> None:
+    """Fold ``parts`` into the EWMAs ``seconds`` with weight ``alpha`` (the first value as is)."""
+    for name, value in parts.items():
+        previous = seconds.get(name)
+        seconds[name] = value if previous is None else previous + alpha * (value - previous)
 
 
 def _offsets(step: int, record: Mapping[str, Any], global_batch: int | None) -> dict[str, int]:

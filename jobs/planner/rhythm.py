@@ -4,7 +4,8 @@ In steady state a job's step time is very regular, so the planner keeps the last
 ``RHYTHM_WINDOW`` (200) measured step times and plans with ``mean * safety_factor`` (or
 ``mean + 3 stdev`` when that is more: an erratic job gets a wider margin). Save
 and load costs come from measured history when there is one and from the job's declared
-checkpoint spec otherwise. Idle phases are known from the spec and the committed step count.
+checkpoint spec otherwise. Idle phases are the measured ones (or the spec's), counted from the
+committed step count and each phase's offset.
 """
 
 from __future__ import annotations

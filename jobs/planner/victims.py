@@ -303,7 +303,6 @@ def take_from_victims(
 
     allow = None
     if quota:
-        book = state.teams
 
         def quota_candidates() -> Iterator[Job]:
             for entry in reclaim_candidates(state, job, victim_pool(state)):
