@@ -74,12 +74,12 @@ def reconcile_lost_runs(node: Node, workers: list[dict[str, Any]], applied: Iter
             reported.setdefault(worker["job"], set()).add(run_id if isinstance(run_id, str) else "")
     placed = Allocation.objects.filter(node=node).values("job_id")
     lost: list[Job] = []
-    for job in (Job.objects.select_for_update().filter(pk__in=placed, state__in=(JobState.RUNNING, JobState.RESIZING))
+    for job in (Job.objects.select_for_update(no_key=True).filter(pk__in=placed, state__in=(JobState.RUNNING, JobState.RESIZING))
                 .exclude(run_id="").order_by("name")):
         runs = reported.get(job.name, set())
         if job.run_id in runs or "" in runs:
             continue
-        open_commands = list(Command.objects.select_for_update().filter(node=node, job=job,
+        open_commands = list(Command.objects.select_for_update(no_key=True).filter(node=node, job=job,
                                                                         state__in=OPEN_COMMAND_STATES))
         if any(c.state in (CommandState.PENDING, CommandState.SENT) for c in open_commands):
             continue
@@ -107,7 +107,7 @@ def reconcile_lost_runs(node: Node, workers: list[dict[str, Any]], applied: Iter
 def fence_stray_workers(node: Node, workers: list[dict[str, Any]]) -> list[Command]:
     """Stop any worker the agent runs for a job no longer placed on its node (a node back from a
     failure, or cut off for a while, must not keep training a job that moved on)."""
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     placed = set(Allocation.objects.filter(node=node).values_list("job__name", flat=True))
     fenced: list[Command] = []
     open_stops = set(
@@ -173,7 +173,7 @@ def disk_usage_fields(disk: Any) -> dict[str, int]:
 
 @transaction.atomic
 def _heartbeat_heals(node: Node) -> None:
-    fresh = Node.objects.select_for_update().get(pk=node.pk)
+    fresh = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if fresh.state == NodeState.SUSPECT:
         fresh.save(update_fields=fresh.transition_to(NodeState.HEALTHY))
         record_event(EventKind.NODE_REPAIRED, actor=agent_actor(node), nodes_after=[node.name],
@@ -207,7 +207,7 @@ def record_worker_exit(node: Node, job_name: str, outcome: dict[str, Any]) -> Jo
     ranks on every node are stopped either way. ``stopped``: an ``omni`` run stopped at a
     checkpoint by a signal from outside Omni; it recovers. Reports of an older run are ignored.
     """
-    job = Job.objects.select_for_update().filter(name=job_name).first()
+    job = Job.objects.select_for_update(no_key=True).filter(name=job_name).first()
     if job is None:
         return None
     run_id = outcome.get("run_id")

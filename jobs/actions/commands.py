@@ -208,7 +208,7 @@ def claim_commands_for_dispatch(node_id: int, *, include_sent: bool = False) -> 
     out: list[Command] = []
     states = [CommandState.PENDING, CommandState.SENT] if include_sent else [CommandState.PENDING]
     for command in (
-        Command.objects.select_for_update(of=("self",)).filter(node_id=node_id, state__in=states)
+        Command.objects.select_for_update(of=("self",), no_key=True).filter(node_id=node_id, state__in=states)
         .select_related("job").order_by("created_at")
     ):
         if command.state == CommandState.PENDING:
@@ -268,7 +268,7 @@ def _own_command(node: Node, command_id: str) -> Command:
     except ValueError:
         raise UnknownCommand(f"{command_id!r} is not a command id") from None
     try:
-        return Command.objects.select_for_update(of=("self",)).select_related("job").get(pk=key, node=node)
+        return Command.objects.select_for_update(of=("self",), no_key=True).select_related("job").get(pk=key, node=node)
     except Command.DoesNotExist:
         raise UnknownCommand(f"no command {command_id} for node {node.name}") from None
 
@@ -361,7 +361,7 @@ def record_command_outcome(node: Node, command_id: str, *, ok: bool, outcome: di
     command.save(update_fields=[*fields, "outcome", "error"])
     if command.job_id is None or not command.payload.get("leader", True):
         return command
-    job = Job.objects.select_for_update().get(pk=command.job_id)
+    job = Job.objects.select_for_update(no_key=True).get(pk=command.job_id)
     effect = _OUTCOME_EFFECTS.get(command.kind)
     if effect is not None:
         text = f"{command.kind} of {job.name} on {node.name}: " + ("done" if ok else f"failed ({command.error})")
@@ -562,7 +562,7 @@ def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
     counts = {"retried": 0, "expired": 0, "killed": 0, "stalled": 0}
     timeout = timedelta(seconds=settings.OMNI_COMMAND_ACK_TIMEOUT_S)
     retry_nodes: set[int] = set()
-    overdue = Command.objects.select_for_update(of=("self",)).filter(state=CommandState.SENT, sent_at__lt=now - timeout)
+    overdue = Command.objects.select_for_update(of=("self",), no_key=True).filter(state=CommandState.SENT, sent_at__lt=now - timeout)
     for command in overdue.select_related("node", "job"):
         if command.attempts < settings.OMNI_COMMAND_MAX_ATTEMPTS:
             command.save(update_fields=command.transition_to(CommandState.PENDING))
@@ -571,7 +571,7 @@ def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
         else:
             _expire(command, f"not acknowledged after {command.attempts} attempts")
             counts["expired"] += 1
-    late = Command.objects.select_for_update(of=("self",)).filter(
+    late = Command.objects.select_for_update(of=("self",), no_key=True).filter(
         kind=CommandKind.PREEMPT, state__in=OPEN_COMMAND_STATES, deadline_at__lt=now
     )
     for command in late.select_related("node", "job"):
@@ -580,7 +580,7 @@ def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
     # Acknowledged is not done: an agent that acked a launch and then died, or lost the command,
     # never answers it, and nothing else would ever move the job (docs/control-loop.md).
     done_timeout_s = settings.OMNI_COMMAND_DONE_TIMEOUT_S
-    stalled = Command.objects.select_for_update(of=("self",)).filter(
+    stalled = Command.objects.select_for_update(of=("self",), no_key=True).filter(
         Q(deadline_at__isnull=True) | Q(deadline_at__lt=now),
         kind__in=LAUNCH_COMMANDS, state=CommandState.ACKED, acked_at__lt=now - timedelta(seconds=done_timeout_s),
     )
@@ -609,7 +609,7 @@ def expire_commands(commands: Iterable[Command], why: str) -> list[Command]:
 @transaction.atomic
 def expire_node_commands(node: Node, why: str) -> None:
     """Expire every open command of a node (it failed: none will be answered)."""
-    expire_commands(Command.objects.select_for_update().filter(node=node, state__in=OPEN_COMMAND_STATES), why)
+    expire_commands(Command.objects.select_for_update(no_key=True).filter(node=node, state__in=OPEN_COMMAND_STATES), why)
 
 
 def _expire(command: Command, why: str, *, any_node: bool = False) -> None:
@@ -619,7 +619,7 @@ def _expire(command: Command, why: str, *, any_node: bool = False) -> None:
     control_logger.warning("command %s (%s on %s) expired: %s", command.id, command.kind, command.node.name, why)
     if command.job_id is None or not (any_node or command.payload.get("leader", True)):
         return
-    job = Job.objects.select_for_update().get(pk=command.job_id)
+    job = Job.objects.select_for_update(no_key=True).get(pk=command.job_id)
     decision = decision_of(command)
     actor = "system"
     # A launch of an older run (the job recovered or resized since) says nothing about this one.

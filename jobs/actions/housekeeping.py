@@ -69,7 +69,7 @@ def sweep_run_dirs(now: datetime | None = None) -> list[Command]:
         ~Q(state__in=TERMINAL_COMMAND_STATES) | Q(created_at__gt=now - timedelta(seconds=CLEAN_RETRY_S))
     )
     due = list(
-        Job.objects.select_for_update(skip_locked=True)
+        Job.objects.select_for_update(skip_locked=True, no_key=True)
         .filter(state__in=CLEANED_JOB_STATES, finished_at__lte=now - run_dir_retention(),
                 run_dir_removed_at__isnull=True, first_started_at__isnull=False)
         .exclude(Exists(recent_clean))

@@ -312,7 +312,7 @@ def submit_job(owner, *, priority: str, **spec: Any) -> Job:
 @transaction.atomic
 def cancel_job(job: Job, actor) -> Job:
     """Cancel a job: stop its workers and free its GPUs. Terminal jobs answer 409."""
-    job = Job.objects.select_for_update().get(pk=job.pk)
+    job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
     require_job_actor(actor, job, "cancel")
     was_active = job.state in ACTIVE_JOB_STATES
     gpus_before = job.allocations.count()
@@ -446,7 +446,7 @@ def edit_job(job: Job, actor, **changes: Any) -> Job:
     they are cancelled."""
     require_operator(actor, "edit jobs")
     wait_for_planner()
-    job = Job.objects.select_for_update().get(pk=job.pk)
+    job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
     edited = job_with_changes(job, changes)
     before, after = changed_facts(job, edited, [*changes, "accum_steps"])
     if not before:
@@ -491,7 +491,7 @@ def place_job(
     job took the GPUs: a seed that also writes past telemetry places the job before it, since a
     job's charts show each GPU only from then on.
     """
-    job = Job.objects.select_for_update().get(pk=job.pk)
+    job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
     if len(gpus) % job.replica_gpus:
         raise ValidationError({"gpus": f"{len(gpus)} GPUs is not a whole number of {job.replica_gpus}-GPU replicas"})
     if any(not node.is_schedulable for node, _ in gpus):

@@ -32,7 +32,7 @@ from jobs.vocab import EventKind
 def _node_action(node: Node, actor, *, allowed: str, target: str, kind: EventKind, text: str) -> Node:
     """An operator moves the node to ``target``; audited as ``kind`` with ``text``."""
     require_operator(actor, allowed)
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     before = node.state
     node.save(update_fields=node.transition_to(target))
     record_event(
@@ -142,7 +142,7 @@ def edit_node(node: Node, actor, **changes: Any) -> Node:
     hold is refused. The audit row keeps the before and after."""
     require_operator(actor, "edit nodes")
     wait_for_planner()
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     edited = node_with_changes(node, changes)
     before, after = changed_facts(node, edited, list(changes))
     if not before:
@@ -200,7 +200,7 @@ def remove_node(node: Node, actor) -> None:
     """Delete a node that never did any work (a mistaken registration); one with history stays."""
     require_operator(actor, "remove nodes")
     wait_for_planner()
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     refusal = node_removal_refusal(node)
     if refusal:
         raise ValidationError(refusal)
@@ -226,7 +226,7 @@ def remove_node(node: Node, actor) -> None:
 @transaction.atomic
 def mark_node_suspect(node: Node, silence_s: float) -> Node:
     """A node missed a heartbeat: suspect (nothing moves yet)."""
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     node.save(update_fields=node.transition_to(NodeState.SUSPECT))
     record_event(EventKind.NODE_SUSPECT, actor="system", nodes_before=[node.name], nodes_after=[node.name],
                  reason={"rule": "heartbeat", "text": f"{node.name} silent for {silence_s:.1f}s; suspect.",
@@ -238,7 +238,7 @@ def mark_node_suspect(node: Node, silence_s: float) -> Node:
 def mark_node_failed(node: Node, silence_s: float) -> Node:
     """A node missed too many heartbeats: failed. Its jobs lose their unsaved steps and go to
     ``recovering``; its open commands expire; the planner recovers the jobs elsewhere."""
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     before = node.state
     node.save(update_fields=node.transition_to(NodeState.FAILED))
     misses = silence_s / settings.OMNI_HEARTBEAT_INTERVAL_S
@@ -248,7 +248,7 @@ def mark_node_failed(node: Node, silence_s: float) -> Node:
                          "inputs": {"node": node.name, "from": before, "silence_s": round(silence_s, 2)}})
     expire_node_commands(node, "node failed")
     job_ids = set(Allocation.objects.filter(node=node).values_list("job_id", flat=True))
-    for job in Job.objects.select_for_update().filter(pk__in=job_ids).order_by("pk"):
+    for job in Job.objects.select_for_update(no_key=True).filter(pk__in=job_ids).order_by("pk"):
         if job.state in WORKING_JOB_STATES:
             record_job_fault(job, "system", f"{node.name} failed under {job.name}", kind=EventKind.NODE_FAILED)
     trigger_plan("node_failed")

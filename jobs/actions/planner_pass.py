@@ -47,7 +47,7 @@ def set_planner_control(actor, **changes: Any) -> PlannerControl:
     if "safety_factor" in changes and not 1.0 <= float(changes["safety_factor"]) <= 10.0:
         raise ValidationError({"safety_factor": "must be between 1.0 and 10.0"})
     PlannerControl.load()
-    control = PlannerControl.objects.select_for_update().get(pk=1)
+    control = PlannerControl.objects.select_for_update(no_key=True).get(pk=1)
     before = {knob: getattr(control, knob) for knob in changes}
     for knob, value in changes.items():
         setattr(control, knob, value)
@@ -176,7 +176,7 @@ class _Move:
 def _apply_action(action: Action, *, run: PlannerRun, now: datetime, nodes: dict[str, Node],
                   pools: dict[str, tuple[str, ...]], touched: set[int]) -> int:
     """Apply one planner action inside the pass's transaction; return commands written."""
-    job = Job.objects.select_for_update().get(name=action.job)
+    job = Job.objects.select_for_update(no_key=True).get(name=action.job)
     applying = _Applying(action=action, job=job, run=run, now=now, nodes=nodes, pools=pools, touched=touched)
     return ACTION_HANDLERS[action.kind](applying)
 

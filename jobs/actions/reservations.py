@@ -112,7 +112,7 @@ def update_reservation(reservation: Reservation, actor, **changes: Any) -> Reser
     unknown = set(changes) - set(RESERVATION_EDITABLE)
     if unknown:
         raise ValidationError({field: "this field cannot be changed" for field in sorted(unknown)})
-    reservation = Reservation.objects.select_for_update().get(pk=reservation.pk)
+    reservation = Reservation.objects.select_for_update(no_key=True).get(pk=reservation.pk)
     if reservation.cancelled_at is not None:
         raise ValidationError({"name": "a cancelled reservation cannot be edited"})
     before = _reservation_facts(reservation)
@@ -145,7 +145,7 @@ def update_reservation(reservation: Reservation, actor, **changes: Any) -> Reser
 def cancel_reservation(reservation: Reservation, actor) -> Reservation:
     """End a reservation now; its loans are no longer owed back."""
     require_operator(actor, "cancel reservations")
-    reservation = Reservation.objects.select_for_update().get(pk=reservation.pk)
+    reservation = Reservation.objects.select_for_update(no_key=True).get(pk=reservation.pk)
     if reservation.cancelled_at is not None:
         raise ValidationError({"name": "the reservation is already cancelled"})
     reservation.cancelled_at = timezone.now()

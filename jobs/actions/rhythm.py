@@ -35,7 +35,7 @@ def observe_step_records(job_id: int, records: list[dict[str, Any]]) -> RhythmSt
     if job is None:
         return None
     JobRhythm.objects.get_or_create(job=job)
-    row = JobRhythm.objects.select_for_update().get(job=job)
+    row = JobRhythm.objects.select_for_update(no_key=True).get(job=job)
     state = row.load()
     checks = state.checks
     if not state.observe(records, dp=job.dp, checkpoint_every=job.checkpoint_every_steps):
@@ -69,7 +69,7 @@ def observe_reclaim(job: Job, *, predicted_s: float, lead_s: float, took_s: floa
 
 def _update(job: Job, change: Callable[[RhythmState], None]) -> None:
     JobRhythm.objects.get_or_create(job=job)
-    row = JobRhythm.objects.select_for_update().get(job=job)
+    row = JobRhythm.objects.select_for_update(no_key=True).get(job=job)
     state = row.load()
     change(state)
     row.store(state)
@@ -86,7 +86,7 @@ def _judge_nodes(job: Job, state: RhythmState) -> None:
         if rank < len(state.rank_nodes):
             by_node.setdefault(state.rank_nodes[rank], []).append((rank, ratio))
     for name, ranks in by_node.items():
-        node = Node.objects.select_for_update().filter(name=name).first()
+        node = Node.objects.select_for_update(no_key=True).filter(name=name).first()
         if node is None:
             continue
         worst = max(ratio for _, ratio in ranks)
@@ -104,7 +104,7 @@ def _judge_nodes(job: Job, state: RhythmState) -> None:
     for name, ranks in on_node.items():
         if name in by_node:
             continue
-        node = Node.objects.select_for_update().filter(name=name, speed_factor__gt=1.0).first()
+        node = Node.objects.select_for_update(no_key=True).filter(name=name, speed_factor__gt=1.0).first()
         if node is None or not all(state.recovered(r, factor) for r in ranks):
             continue
         _set_speed(node, 1.0, job, f"{name} runs at speed again: every rank of {job.name} on it was within "

@@ -95,7 +95,7 @@ def edit_team(team: Team, actor, **changes: Any) -> Team:
     require_operator(actor, "edit teams")
     if unknown := set(changes) - set(TEAM_EDITABLE):
         raise ValidationError({field: ["this field cannot be changed"] for field in sorted(unknown)})
-    team = Team.objects.select_for_update().get(pk=team.pk)
+    team = Team.objects.select_for_update(no_key=True).get(pk=team.pk)
     before = team_facts(team)
     for field, value in changes.items():
         setattr(team, field, value)
@@ -127,7 +127,7 @@ def delete_team(team: Team, actor) -> None:
     """Delete a team that no job, reservation or other team names (its memberships go with it).
     A job's team is its history (what it ran under, whose usage it was): such a team stays."""
     require_operator(actor, "delete teams")
-    team = Team.objects.select_for_update().get(pk=team.pk)
+    team = Team.objects.select_for_update(no_key=True).get(pk=team.pk)
     holders = team_holders(team)
     if any(holders.values()):
         raise TeamInUse(team, holders)
@@ -145,7 +145,7 @@ def add_team_member(team: Team, actor, user, *, default: bool = False) -> TeamMe
     require_operator(actor, "change team members")
     if TeamMembership.objects.filter(team=team, user=user).exists():
         raise ValidationError({"user": [f"{user.get_username()} is already in team {team.name}"]})
-    current = TeamMembership.objects.select_for_update().filter(user=user, is_default=True).first()
+    current = TeamMembership.objects.select_for_update(no_key=True).filter(user=user, is_default=True).first()
     make_default = default or current is None
     if make_default and current is not None:
         current.is_default = False
@@ -166,7 +166,7 @@ def remove_team_member(team: Team, actor, user) -> None:
     """Take ``user`` out of ``team``. If it was their default team, their oldest other team becomes
     the default (none: their submits go to no team). Their jobs keep the team they ran under."""
     require_operator(actor, "change team members")
-    membership = TeamMembership.objects.select_for_update().filter(team=team, user=user).first()
+    membership = TeamMembership.objects.select_for_update(no_key=True).filter(team=team, user=user).first()
     if membership is None:
         raise ValidationError({"user": [f"{user.get_username()} is not in team {team.name}"]})
     default_before = default_team_name(user)
@@ -191,7 +191,7 @@ def remove_team_member(team: Team, actor, user) -> None:
 def set_default_team(actor, user, team: Team) -> TeamMembership:
     """Make ``team`` (one they are in) the team ``user``'s submits go to when they name none."""
     require_operator(actor, "set default teams")
-    memberships = {m.team_id: m for m in TeamMembership.objects.select_for_update().filter(user=user)
+    memberships = {m.team_id: m for m in TeamMembership.objects.select_for_update(no_key=True).filter(user=user)
                    .select_related("team")}
     chosen = memberships.get(team.pk)
     if chosen is None:

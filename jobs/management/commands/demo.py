@@ -121,7 +121,7 @@ class Director:
         self.dir.mkdir(parents=True, exist_ok=True)
         out = []
         with transaction.atomic():
-            for node in Node.objects.select_for_update().order_by("rack", "switch", "name"):
+            for node in Node.objects.select_for_update(no_key=True).order_by("rack", "switch", "name"):
                 token = node.issue_token()
                 node.save(update_fields=["agent_token_hash"])
                 out.append((node.name, token, node.gpu_count))

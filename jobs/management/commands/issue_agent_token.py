@@ -20,7 +20,7 @@ class Command(OperatorCommand):
     @transaction.atomic
     def handle(self, *args: Any, node: str, **options: Any) -> None:
         try:
-            target = Node.objects.select_for_update().get(name=node)
+            target = Node.objects.select_for_update(no_key=True).get(name=node)
         except Node.DoesNotExist:
             raise CommandError(f"no node named {node!r}", returncode=USAGE_ERROR) from None
         token = target.issue_token()
