@@ -70,3 +70,13 @@ def prune_logs() -> None:
     deleted = actions.prune_logs(timezone.now())
     if deleted:
         logger.info("pruned %d log lines past their retention", deleted)
+
+
+@shared_task(name="jobs.publish_audit_head", ignore_result=True)
+def publish_audit_head() -> None:
+    """Append the audit chain's head to ``OMNI_AUDIT_HEADS`` unless it has not moved (docs/audit-log.md)."""
+    from jobs.audit import audit_key, publish_head
+
+    head = publish_head(key=audit_key())
+    if head:
+        logger.info("published audit head: row %d of %d rows", head["id"], head["rows"])

@@ -723,12 +723,13 @@ def chain_status(budget_rows: int = CHAIN_VERIFY_BUDGET_ROWS) -> dict[str, Any]:
     return {**state, "total": total, "complete": state["bad"] is None and state["checked"] >= total}
 
 
-# Every hashed field (jobs.audit.HASHED_FIELDS) plus id and hash, so anyone can recompute the
-# chain from an export with tools/verify_audit_export.py (docs/audit-log.md).
+# Every hashed field (jobs.audit.HASHED_FIELDS) plus id, hash and mac, so anyone can recompute the
+# chain from an export with tools/verify_audit_export.py, and whoever holds the audit key its MACs
+# (docs/audit-log.md).
 EXPORT_COLUMNS = (
     "id", "at", "kind", "job_id", "job_name", "actor", "actor_user_id", "planner_run", "command", "refers_to_id",
     "nodes_before", "nodes_after", "gpus_before", "gpus_after", "dp_before", "dp_after", "accum_before",
-    "accum_after", "global_batch", "reason", "outcome", "prev_hash", "hash",
+    "accum_after", "global_batch", "reason", "outcome", "prev_hash", "hash", "mac",
 )
 
 

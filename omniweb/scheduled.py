@@ -70,8 +70,17 @@ def _storage_tasks() -> list[PeriodicTask]:
     return [PeriodicTask("jobs.sweep_run_dirs", sweep_s, Queue.CONTROL, expires_s=sweep_s)]
 
 
+def _audit_tasks() -> list[PeriodicTask]:
+    # The audit chain's head, appended to a file outside the database (docs/audit-log.md): what was
+    # recorded before a publication cannot be deleted or rewritten unseen. Skipped when unmoved.
+    from django.conf import settings
+
+    every_s = settings.OMNI_AUDIT_HEAD_EVERY_S
+    return [PeriodicTask("jobs.publish_audit_head", every_s, Queue.CONTROL, expires_s=every_s)]
+
+
 PERIODIC_TASKS: list[PeriodicTask] = [
-    *_control_loop_tasks(), *_telemetry_tasks(), *_retention_tasks(), *_storage_tasks(),
+    *_control_loop_tasks(), *_telemetry_tasks(), *_retention_tasks(), *_storage_tasks(), *_audit_tasks(),
 ]
 
 

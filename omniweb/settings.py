@@ -121,6 +121,21 @@ try:
                        f"got {OMNI_TLS_PROXY_HEADER!r}")
     OMNI_HSTS_SECONDS = env_int("OMNI_HSTS_SECONDS", 365 * 86400, minimum=0)
     OMNI_HSTS_PRELOAD = env_bool("OMNI_HSTS_PRELOAD", default=True)
+    # --- audit anchoring (docs/audit-log.md, "Why it can be trusted") ---------------------------
+    # The key of every audit row's MAC, kept outside the database (OMNI_AUDIT_KEY_FILE names a file
+    # holding it). Unset: rows get no MAC and only the published heads anchor the chain.
+    _audit_key = env_str("OMNI_AUDIT_KEY")
+    if _audit_key is not None and len(_audit_key) < 32:
+        raise EnvError(f"OMNI_AUDIT_KEY: must be at least 32 characters, got {len(_audit_key)}")
+    OMNI_AUDIT_KEY = _audit_key
+    # The append-only file the chain's head is published to, and how often (skipped when unmoved).
+    OMNI_AUDIT_HEADS = Path(env_str("OMNI_AUDIT_HEADS", str(VAR_DIR / "audit-heads.jsonl")))
+    OMNI_AUDIT_HEAD_EVERY_S = env_float("OMNI_AUDIT_HEAD_EVERY_S", 300.0, minimum=1.0)
+    # The PostgreSQL role the application runs as: after every migrate it is granted only SELECT and
+    # INSERT on the audit table (manage.py grant_app_role). Unset: nothing is granted.
+    OMNI_APP_DB_ROLE = env_str("OMNI_APP_DB_ROLE")
+    if OMNI_APP_DB_ROLE is not None and not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", OMNI_APP_DB_ROLE):
+        raise EnvError(f"OMNI_APP_DB_ROLE: expected a lower-case role name, got {OMNI_APP_DB_ROLE!r}")
     LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
     if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise EnvError(f"LOG_LEVEL: expected DEBUG/INFO/WARNING/ERROR/CRITICAL, got {LOG_LEVEL!r}")

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Verify an Omni audit export (``/audit/export.json``) with nothing but the Python standard library.
 
-Usage: ``python verify_audit_export.py EXPORT.json [--complete]``. Each row's hash is recomputed
-from its own fields and ``prev_hash``; consecutive rows must link (a row's ``prev_hash`` is the
-hash of the row before it). A filtered export has gaps between its rows, which are counted, not
-refused; ``--complete`` also demands an unbroken chain from the first row ever written (64
-zeros). Exit 0 when everything verifies, 1 naming the first bad row. The canonical form is in
+Usage: ``python verify_audit_export.py EXPORT.json [--complete] [--key-file FILE]``. Each row's hash
+is recomputed from its own fields and ``prev_hash``; consecutive rows must link (a row's
+``prev_hash`` is the hash of the row before it). A filtered export has gaps between its rows, which
+are counted, not refused; ``--complete`` also demands an unbroken chain from the first row ever
+written (64 zeros). ``--key-file`` names a file holding the audit key (``OMNI_AUDIT_KEY``; its
+contents less surrounding whitespace): each row's ``mac`` must then be HMAC-SHA256(key, hash), and
+once a row has one every later row must. Exit 0 when everything verifies, 1 naming the first bad row. The canonical form is in
 docs/audit-log.md ("Verifying an export"); this file copies nothing from Omni and may be copied
 on its own.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import json
 import sys
 from dataclasses import dataclass
@@ -70,6 +73,7 @@ class Verdict:
 
     rows: int = 0
     gaps: int = 0
+    rows_before_key: int = 0  # leading rows without a MAC (written before the key was set)
     first_bad_id: Any = None
     problem: str = ""
 
@@ -78,7 +82,18 @@ class Verdict:
         return self.first_bad_id is None
 
 
-def verify(rows: list[dict[str, Any]], *, complete: bool = False) -> Verdict:
+def mac_problem(row: dict[str, Any], key: bytes, keyed_before: bool) -> str:
+    mac = row.get("mac") or ""
+    if mac:
+        expected = hmac.new(key, str(row["hash"]).encode("ascii"), hashlib.sha256).hexdigest()
+        return "" if hmac.compare_digest(str(mac), expected) else \
+            "its MAC does not match: rewritten by someone without the audit key"
+    if keyed_before:
+        return "it has no MAC though rows before it do: written or rewritten by someone without the audit key"
+    return ""
+
+
+def verify(rows: list[dict[str, Any]], *, complete: bool = False, key: bytes | None = None) -> Verdict:
     verdict = Verdict()
     previous: str | None = GENESIS_HASH if complete else None
     for row in rows:
@@ -96,6 +111,13 @@ def verify(rows: list[dict[str, Any]], *, complete: bool = False) -> Verdict:
                 verdict.problem = "its prev_hash is not the hash of the row before it (a row is missing)"
                 return verdict
             verdict.gaps += 1
+        if key is not None:
+            problem = mac_problem(row, key, keyed_before=verdict.rows > verdict.rows_before_key)
+            if problem:
+                verdict.first_bad_id, verdict.problem = row.get("id"), problem
+                return verdict
+            if not row.get("mac"):
+                verdict.rows_before_key += 1
         previous = row["hash"]
         verdict.rows += 1
     return verdict
@@ -106,16 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("export", help="the JSON file from /audit/export.json")
     parser.add_argument("--complete", action="store_true",
                         help="the export is the whole log: demand an unbroken chain from the first row")
+    parser.add_argument("--key-file", help="a file holding the audit key: check every row's MAC too")
     args = parser.parse_args(argv)
+    key = None
+    if args.key_file:
+        with open(args.key_file, encoding="utf-8") as handle:
+            key = handle.read().strip().encode("utf-8")
     with open(args.export, encoding="utf-8") as handle:
         rows = json.load(handle)
-    verdict = verify(rows, complete=args.complete)
+    verdict = verify(rows, complete=args.complete, key=key)
     if not verdict.ok:
         print(f"audit export BROKEN at row {verdict.first_bad_id}: {verdict.problem} "
               f"({verdict.rows} rows verified before it)", file=sys.stderr)
         return 1
     gaps = f"; {verdict.gaps} gaps between rows (a filtered export)" if verdict.gaps else ""
-    print(f"audit export verified: {verdict.rows} rows recompute{gaps}")
+    macs = ""
+    if key is not None:
+        macs = "; MACs match" + (f" ({verdict.rows_before_key} leading rows have none: written before the key)"
+                                  if verdict.rows_before_key else "")
+    print(f"audit export verified: {verdict.rows} rows recompute{gaps}{macs}")
     return 0
 
 

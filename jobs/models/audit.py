@@ -4,7 +4,8 @@ Each row stores ``hash = sha256(prev_hash + canonical_json(row))``, so editing, 
 reordering any row breaks the chain from there on (``manage.py verify_audit`` finds it). On
 PostgreSQL a trigger also rejects UPDATE and DELETE outright. Outcomes that arrive later (an
 agent's ack, the measured checkpoint time) are new rows that point at the decision through
-``refers_to``; nothing is ever rewritten. See docs/audit-log.md.
+``refers_to``; nothing is ever rewritten. With ``OMNI_AUDIT_KEY`` set each row also stores
+``mac = HMAC-SHA256(key, hash)``, which nobody without the key can forge. See docs/audit-log.md.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class ElasticEvent(models.Model):
     outcome = models.JSONField(default=dict, blank=True)
     prev_hash = models.CharField(max_length=64, editable=False)
     hash = models.CharField(max_length=64, editable=False, unique=True)
+    mac = models.CharField(
+        max_length=64, blank=True, default="", editable=False,
+        help_text="HMAC-SHA256(OMNI_AUDIT_KEY, hash); blank for rows written without a key.",
+    )
 
     objects = AppendOnlyQuerySet.as_manager()
 

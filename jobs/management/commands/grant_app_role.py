@@ -1,0 +1,25 @@
+"""``manage.py grant_app_role ROLE``: let the application's database role append to the audit log,
+never rewrite it (docs/audit-log.md, "Why it can be trusted")."""
+
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+
+from jobs.audit import AUDIT_TABLE, RoleError, grant_app_role
+
+
+class Command(BaseCommand):
+    help = ("Run as the tables' owner (PostgreSQL): grant an existing ROLE normal DML on every table, "
+            f"but only SELECT and INSERT on the audit table {AUDIT_TABLE}.")
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("role", help="the role the application connects as (it must exist)")
+
+    def handle(self, *args, role: str, **options) -> None:
+        try:
+            with transaction.atomic():
+                grant_app_role(role)
+        except RoleError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"granted {role}: DML on every table, SELECT and INSERT only on {AUDIT_TABLE}")
