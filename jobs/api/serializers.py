@@ -265,6 +265,14 @@ class TeamMemberWriteSerializer(StrictFields, serializers.Serializer):
     default = serializers.BooleanField(default=False)
 
 
+class TeamMemberSerializer(serializers.Serializer):
+    """A member as the members endpoints answer (``team_data.team_detail``'s ``members``)."""
+
+    user = serializers.CharField()
+    default = serializers.BooleanField()
+    since = serializers.DateTimeField()
+
+
 class ElasticEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = ElasticEvent

@@ -21,6 +21,7 @@ from rest_framework.response import Response
 from jobs import actions, roles
 from jobs.api.logs import LOG_PARAMETERS, JobLogPageSerializer, job_log_page
 from jobs.api.permissions import AuditReader, HasRole, OperatorWrites
+from jobs.api.schema import ErrorsAutoSchema
 from jobs.api.serializers import (
     ElasticEventSerializer,
     JobSerializer,
@@ -29,6 +30,7 @@ from jobs.api.serializers import (
     NodeRegisterSerializer,
     NodeSerializer,
     ReservationSerializer,
+    TeamMemberSerializer,
     TeamMemberWriteSerializer,
     TeamWriteSerializer,
 )
@@ -71,6 +73,35 @@ def _time_filter(request: Request, name: str):
     return parsed
 
 
+def _holds_nul(value) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_nul(v) for v in value)
+    return False
+
+
+class RefuseNulCharacters:
+    """A NUL character anywhere in a query, a path or a body is a 400 naming where: PostgreSQL
+    text cannot hold one, so a filter (``?q=%00``), a name looked up (``"parent": "a\\u0000"``)
+    or a path's user was a 500 from the database (found by tests/fuzz). DRF's ``CharField``
+    refuses it for its own fields only; this covers every lookup, once, after authentication."""
+
+    def initial(self, request: Request, *args, **kwargs) -> None:
+        super().initial(request, *args, **kwargs)
+        where = [name for name, values in request.query_params.lists() if _holds_nul([name, *values])]
+        where += [name for name, value in kwargs.items() if _holds_nul(value)]
+        data = request.data
+        items = data.lists() if hasattr(data, "lists") else data.items() if isinstance(data, dict) else []
+        where += [str(name) for name, value in items if _holds_nul([name, value])]
+        if not isinstance(data, dict) and _holds_nul(data):
+            where.append("non_field_errors")
+        if where:
+            raise ValidationError({name: ["NUL characters are not allowed."] for name in where})
+
+
 class MethodBeforePermission:
     """A method the view does not offer is a 405, whoever asks: DRF checks permissions before it
     looks for the handler, so ``PUT /api/nodes/1/`` from a researcher was a 403 that read as
@@ -83,7 +114,10 @@ class MethodBeforePermission:
         super().check_permissions(request)
 
 
-class JobViewSet(MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class JobViewSet(
+    RefuseNulCharacters, MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
     """Jobs: everyone with a role reads what ``roles.job_visibility`` allows; researchers submit
     and cancel their own.
 
@@ -91,6 +125,7 @@ class JobViewSet(MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveM
     with its summary fields and ``"visibility": "summary"`` (list and detail alike).
     """
 
+    schema = ErrorsAutoSchema()
     serializer_class = JobSerializer
     permission_classes = [HasRole]
 
@@ -155,9 +190,13 @@ class JobViewSet(MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveM
         return Response(job_log_page(request, pk))
 
 
-class NodeViewSet(MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class NodeViewSet(
+    RefuseNulCharacters, MethodBeforePermission, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
     """Nodes: everyone with a role reads; operators register, cordon, drain, uncordon and repair."""
 
+    schema = ErrorsAutoSchema()
     serializer_class = NodeSerializer
     permission_classes = [OperatorWrites]
     queryset = Node.objects.prefetch_related("allocations")
@@ -196,6 +235,7 @@ class NodeViewSet(MethodBeforePermission, mixins.ListModelMixin, mixins.Retrieve
 
 
 class ReservationViewSet(
+    RefuseNulCharacters,
     MethodBeforePermission,
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
@@ -205,6 +245,7 @@ class ReservationViewSet(
 ):
     """Reservations: everyone with a role reads; operators create, edit and cancel."""
 
+    schema = ErrorsAutoSchema()
     serializer_class = ReservationSerializer
     permission_classes = [OperatorWrites]
     queryset = Reservation.objects.select_related("job", "team")
@@ -227,12 +268,13 @@ class ReservationViewSet(
         return Response(ReservationSerializer(reservation).data)
 
 
-class TeamViewSet(MethodBeforePermission, viewsets.GenericViewSet):
+class TeamViewSet(RefuseNulCharacters, MethodBeforePermission, viewsets.GenericViewSet):
     """Teams (docs/teams.md): everyone with a role reads their standing (GPUs held now against
     quota and borrowing limit), members, jobs (as ``roles.job_visibility`` allows) and
     reservations; operators create, edit (``PATCH``) and delete them and change their members.
     ``PUT`` is not offered: a team's name is fixed, every other field is optional."""
 
+    schema = ErrorsAutoSchema()
     permission_classes = [OperatorWrites]
     queryset = Team.objects.select_related("parent").order_by("name")
     serializer_class = TeamWriteSerializer
@@ -277,8 +319,9 @@ class TeamViewSet(MethodBeforePermission, viewsets.GenericViewSet):
     def _member(self, username: str):
         return get_object_or_404(get_user_model(), username=username)
 
-    @extend_schema(request=TeamMemberWriteSerializer)
-    @action(detail=True, methods=["get", "post"])
+    @extend_schema(methods=["GET"], responses={200: TeamMemberSerializer(many=True)})
+    @extend_schema(methods=["POST"], request=TeamMemberWriteSerializer, responses={201: TeamMemberSerializer(many=True)})
+    @action(detail=True, pagination_class=None, methods=["get", "post"])
     def members(self, request: Request, pk=None) -> Response:
         """The team's members; ``POST {"user": NAME, "default": false}`` adds one (operators)."""
         team = self.get_object()
@@ -300,8 +343,8 @@ class TeamViewSet(MethodBeforePermission, viewsets.GenericViewSet):
         actions.remove_team_member(self.get_object(), request.user, self._member(username))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(request=None)
-    @action(detail=True, methods=["post"], url_path=r"members/(?P<username>[^/]+)/default")
+    @extend_schema(request=None, responses={200: TeamMemberSerializer(many=True)})
+    @action(detail=True, pagination_class=None, methods=["post"], url_path=r"members/(?P<username>[^/]+)/default")
     def make_default(self, request: Request, pk=None, username: str = "") -> Response:
         """Make this team the member's default team (operators)."""
         no_body(request)
@@ -310,11 +353,12 @@ class TeamViewSet(MethodBeforePermission, viewsets.GenericViewSet):
         return Response(team_detail(team, request.user)["members"])
 
 
-class ElasticEventViewSet(MethodBeforePermission, viewsets.ReadOnlyModelViewSet):
+class ElasticEventViewSet(RefuseNulCharacters, MethodBeforePermission, viewsets.ReadOnlyModelViewSet):
     """The audit log: operators and auditors read everything, researchers the rows of the jobs
     they may see in full (``roles.visible_jobs``: their own, or every job's with
     ``OMNI_JOB_VISIBILITY=all``)."""
 
+    schema = ErrorsAutoSchema()
     serializer_class = ElasticEventSerializer
     permission_classes = [AuditReader]
 

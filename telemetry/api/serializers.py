@@ -93,5 +93,10 @@ class IngestResultSerializer(serializers.Serializer):
     duplicate = serializers.BooleanField()
 
 
-# A refused batch (400): messages by ``samples[i].field`` (or ``source``, ``seq``, ``samples``, ``batch``).
-BATCH_ERRORS_SCHEMA = {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "string"}}}
+# A refused batch (400): messages by ``samples[i].field`` (or ``source``, ``seq``, ``samples``, ``batch``);
+# a body that is not strict JSON never reaches a field: its 400 is the parser's ``detail`` sentence.
+BATCH_ERRORS_SCHEMA = {
+    "type": "object",
+    "properties": {"detail": {"type": "string"}},
+    "additionalProperties": {"type": "array", "items": {"type": "string"}},
+}

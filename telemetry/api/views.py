@@ -13,6 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from jobs.api.schema import ErrorsAutoSchema
 from omniweb.parsers import StrictJSONParser
 from telemetry.api.auth import IsNodeAgent, NodeTokenAuthentication
 from telemetry.api.serializers import (
@@ -27,6 +28,7 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 class _BatchView(APIView):
+    schema = ErrorsAutoSchema(conflicts=False)
     authentication_classes = [NodeTokenAuthentication]
     permission_classes = [IsNodeAgent]
     parser_classes = [StrictJSONParser]

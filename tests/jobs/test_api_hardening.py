@@ -356,3 +356,96 @@ def test_an_allowed_method_still_checks_the_role(researcher, make_nodes):
     response = api_client(researcher).post(f"/api/nodes/{node.pk}/cordon/", {}, format="json")
     assert response.status_code == 403
     assert Node.objects.get(pk=node.pk).state == node.state
+
+
+# -- found by the fuzzer (tests/fuzz): answers the schema did not describe -------------------------
+
+
+def _schema_errors(schema: dict, path: str, method: str, response) -> list[str]:
+    validator = _response_validator(schema, path, method, str(response.status_code))
+    return [e.message for e in validator.iter_errors(response.json())]
+
+
+def test_every_operation_documents_the_errors_it_answers():
+    """A refusal (400, 401, 403, 429; 404 for a row; 409 for a state change) was an undocumented
+    status code to any client that read the schema: only the success was listed."""
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            codes = set(operation["responses"])
+            expected = {"400", "401", "403", "429"} | ({"404"} if "{" in path else set())
+            if method != "get" and not path.startswith("/api/telemetry/"):
+                expected.add("409")
+            assert expected <= codes, f"{method.upper()} {path} does not document {sorted(expected - codes)}"
+
+
+def test_refusals_match_the_documented_error_bodies(researcher, operator, outsider, make_job):
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    job = make_job()
+    refused = api_client(outsider).get("/api/jobs/")
+    assert refused.status_code == 403 and _schema_errors(schema, "/api/jobs/", "get", refused) == []
+    missing = api_client(researcher).get("/api/jobs/987654321/")
+    assert missing.status_code == 404 and _schema_errors(schema, "/api/jobs/{id}/", "get", missing) == []
+    actions.cancel_job(job, researcher)
+    conflict = api_client(researcher).post(f"/api/jobs/{job.pk}/cancel/", {}, format="json")
+    assert conflict.status_code == 409 and _schema_errors(schema, "/api/jobs/{id}/cancel/", "post", conflict) == []
+    unknown = api_client(operator).post("/api/nodes/", {"nmae": "x"}, format="json")
+    assert unknown.status_code == 400 and _schema_errors(schema, "/api/nodes/", "post", unknown) == []
+
+
+def test_team_member_answers_are_the_lists_the_schema_describes(researcher, operator, auditor):
+    """The members endpoints answer a list of members; the schema said a team write body (an
+    object), and a 200 where adding a member is a 201."""
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    team = actions.create_team(operator, name="vision")
+    added = api_client(operator).post(f"/api/teams/{team.pk}/members/", {"user": researcher.username}, format="json")
+    assert added.status_code == 201, added.content[:200]
+    assert _schema_errors(schema, "/api/teams/{id}/members/", "post", added) == []
+    listing = api_client(auditor).get(f"/api/teams/{team.pk}/members/")
+    assert [m["user"] for m in listing.json()] == [researcher.username]
+    assert _schema_errors(schema, "/api/teams/{id}/members/", "get", listing) == []
+    default = api_client(operator).post(f"/api/teams/{team.pk}/members/{researcher.username}/default/", {},
+                                        format="json")
+    assert default.status_code == 200
+    assert _schema_errors(schema, "/api/teams/{id}/members/{username}/default/", "post", default) == []
+
+
+@pytest.mark.parametrize("path", ["/api/telemetry/gpu", "/api/telemetry/steps"])
+def test_a_telemetry_body_that_is_not_json_is_the_documented_400(agent_node, path):
+    """Bytes that are not UTF-8 are the parser's ``{"detail": "..."}``; the schema allowed only
+    lists of messages by field."""
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    response = Client().post(path, b"\xf5\x95HU", content_type="application/json",
+                             HTTP_AUTHORIZATION=f"Bearer {agent_node.token}", HTTP_X_OMNI_NODE=agent_node.name)
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith("JSON parse error")
+    assert _schema_errors(schema, path, "post", response) == []
+
+
+@pytest.mark.parametrize(("method", "path", "body", "where"), [
+    ("get", "/api/jobs/?q=%5B%00", None, "q"),
+    ("get", "/api/jobs/?owner=rita%00", None, "owner"),
+    ("get", "/api/events/?actor=%00", None, "actor"),
+    ("delete", "/api/teams/{team}/members/rita%00/", None, "username"),
+])
+def test_a_nul_character_anywhere_is_a_400_not_a_database_500(researcher, operator, method, path, body, where):
+    """PostgreSQL text cannot hold NUL: a filter or a looked-up name with one was a 500."""
+    team = actions.create_team(operator, name="ml")
+    client = api_client(operator)
+    response = getattr(client, method)(path.format(team=team.pk), body, format="json")
+    assert response.status_code == 400, response.content[:200]
+    assert response.json() == {where: ["NUL characters are not allowed."]}
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.parametrize(("path", "body", "where"), [
+    ("/api/teams/", {"name": "vision", "parent": "ml\x00"}, "parent"),
+    ("/api/jobs/", {**SPEC, "team": "ml\x00"}, "team"),
+])
+def test_a_nul_character_in_a_form_body_is_a_400(operator, path, body, where):
+    """JSON bodies never get this far (the strict parser refuses NUL); form bodies did, to a lookup."""
+    actions.create_team(operator, name="ml")
+    response = api_client(operator).post(path, body)
+    assert response.status_code == 400, response.content[:200]
+    assert response.json() == {where: ["NUL characters are not allowed."]}
+    assert Job.objects.count() == 0

@@ -1,0 +1,1 @@
+"""Standing API fuzzing with schemathesis over /api/schema/ (docs/api.md, "Fuzzing")."""
