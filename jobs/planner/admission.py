@@ -92,7 +92,10 @@ def admit_waiting(state: PlanningPass) -> None:
                 continue
             key = queue_key(job, state.now, state.config, state._tier(job))
             if state.teams:  # within a class: a team within its quota first, then the least past usage
-                key = key[:3] + quota.queue_rank(state, job) + key[3:]
+                standing = quota.queue_rank(state, job)
+                if standing[0]:  # a borrower does not age (quota.ages)
+                    key = (key[0], key[2]) + key[2:]
+                key = key[:3] + standing + key[3:]
             waiting.append((key, job))
     waiting.sort(key=lambda kv: kv[0])
     for _, job in waiting:
@@ -117,7 +120,8 @@ def admit(state: PlanningPass, job: Job) -> None:
             return
         dps = allowed
     preferred = dps[0]
-    rank = effective_rank(job, state.now, state.config)
+    ages = quota.ages(state, job)
+    rank = effective_rank(job, state.now, state.config) if ages else PRIORITY_RANK[job.priority]
     reclaims = quota.may_reclaim(state, job, dps[-1] * rep)
     if not job.holdings and job.phase != "recovering" and not job.parked:
         # Cheapest test first, for long queues: fewer GPUs free anywhere than the job's
@@ -136,7 +140,7 @@ def admit(state: PlanningPass, job: Job) -> None:
             blocked = (dps[-1] * job.pp > groups and soon == 0) or (
                 state._free_total(zones_min) + soon < dps[-1] * rep)
         if blocked and not state._entitled_now(job):
-            aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+            aged = ages and job.priority == "regular" and is_aged(job, state.now, state.config)
             key = (PRIORITY_RANK[job.priority], rank, False, aged)
             if not reclaims and (rank >= PRIORITY_RANK["best_effort"]
                                  or state.victim_failed_at.get(key, 1 << 30) <= dps[-1] * rep):
@@ -161,7 +165,7 @@ def admit(state: PlanningPass, job: Job) -> None:
         zones_min = state._zones_for(job, dps[-1])
         if (state._free_total(zones_min) < smallest_need
                 and not any(state.soon_free.get(z, 0) for z in zones_min)):
-            aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+            aged = ages and job.priority == "regular" and is_aged(job, state.now, state.config)
             key = (PRIORITY_RANK[job.priority], rank, False, aged)
             if not reclaims and (rank >= PRIORITY_RANK["best_effort"]
                                  or state.victim_failed_at.get(key, 1 << 30) <= smallest_need):

@@ -213,6 +213,16 @@ def queue_rank(state: PlanningPass, job: Job) -> tuple[int, float]:
     return (0 if within else 1, book.fair_share(job.team))
 
 
+def ages(state: PlanningPass, job: Job) -> bool:
+    """Whether rule 8's ageing applies to ``job``: always without teams; with teams, only to a
+    job its team's quota covers at its smallest size. A borrower's place among borrowers is
+    fair share's: aged, it would jump ahead of work within its quota and take the very GPUs
+    just reclaimed from its own team (each round trip a save and a restart for nothing), or
+    stop another borrower. It starves no more than its team does: once its team's own jobs
+    give GPUs back, its quota covers it and it ages again."""
+    return not state.teams or queue_rank(state, job)[0] == 0
+
+
 def may_reclaim(state: PlanningPass, job: Job, need: int) -> bool:
     """Whether ``job`` may take back borrowed GPUs: its team is below its quota by at least
     ``need`` (its smallest size) and some GPUs are held beyond a quota."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of
-from jobs.planner.quota import reclaim_candidates, reclaim_words
+from jobs.planner.quota import ages, reclaim_candidates, reclaim_words
 from jobs.planner.rhythm import predict, stop_time_s
 from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job
 from jobs.planner.starvation import is_aged, protected_by_min_run, waited_s
@@ -199,7 +199,7 @@ def take_from_victims(
     With ``quota`` (rule 9) the victims are what other teams hold beyond their quotas, of the
     job's class or lower (``quota.reclaim_candidates``), never more than each team's excess.
     """
-    aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+    aged = job.priority == "regular" and is_aged(job, state.now, state.config) and ages(state, job)
     if rank >= PRIORITY_RANK["best_effort"] and not forced and not quota:
         return False
     key: tuple = (PRIORITY_RANK[job.priority], rank, forced, aged)

@@ -27,6 +27,8 @@ class Op:
     cmd_id: str
     deadline_s: float | None
     preemption: bool
+    # GPUs a team below its quota waits for (rule 9): planned for at once, never batched.
+    for_quota: bool = False
 
 
 @dataclass(slots=True)

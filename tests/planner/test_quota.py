@@ -231,3 +231,28 @@ def test_a_team_below_its_quota_reclaims_for_a_smaller_size_when_the_excess_is_s
     result = plan(snap([borrower, owed], teams), 10_000.0)
     shrink = acts(result, "shrink")["v-big"]
     assert shrink.reason.rule == "quota.reclaim" and len(shrink.gpus_after) == 24
+
+
+def test_a_borrower_does_not_age_ahead_of_work_within_its_quota():
+    teams = [Team("vision", quota_gpus=0), Team("speech", quota_gpus=8)]
+    # vision borrows three nodes; its best-effort job has waited two ageing periods (it would
+    # stand as a regular job), speech's best-effort job within its quota has just arrived.
+    held = [job(f"v{i}", tp=8, dp=1, gpus=gpus_on(ALL[i]), team="vision", priority="best_effort",
+                run_started_s=0.0, min_run_s=0.0) for i in range(3)]
+    aged = job("v-aged", tp=8, dp=1, team="vision", priority="best_effort", submit_s=0.0, queued_since_s=0.0)
+    owed = job("s-new", tp=8, dp=1, team="speech", priority="best_effort", submit_s=19_000.0)
+    result = plan(snap([*held, aged, owed], teams), 20_000.0)
+    assert set(acts(result, "place")) == {"s-new"}  # else the GPUs it is owed go back to vision
+    # Without teams the same long waiter is ahead by its ageing.
+    result = plan(Snapshot(NODES, (*held, aged, owed)), 20_000.0)
+    assert set(acts(result, "place")) == {"v-aged"}
+
+
+def test_a_long_waiting_borrower_does_not_stop_another_borrower():
+    teams = [Team("vision", quota_gpus=0), Team("audio", quota_gpus=0), Team("speech", quota_gpus=32)]
+    held = [job(f"a{i}", tp=8, dp=1, gpus=gpus_on(ALL[i]), team="audio", run_started_s=0.0, min_run_s=0.0)
+            for i in range(4)]
+    aged = job("v-aged", tp=8, dp=1, team="vision", submit_s=0.0, queued_since_s=0.0)
+    result = plan(snap([*held, aged], teams), 20_000.0)
+    assert not acts(result, "preempt") and not acts(result, "shrink")
+    assert acts(result, "hold")["v-aged"].reason.inputs["effective_rank"] == 1  # its class, not aged

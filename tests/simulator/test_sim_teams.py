@@ -201,6 +201,22 @@ def test_omni_reclaims_borrowed_gpus_for_a_team_below_its_quota() -> None:
     assert b1["start_s"] is not None and b1["start_s"] - 600 <= 10 + 2 * 1.0 + 60
 
 
+def test_in_a_batched_replay_gpus_reclaimed_for_a_team_are_planned_for_at_once() -> None:
+    # Big replays batch non-urgent passes into 60 s slots; a quota reclaim's release is not
+    # batched (the live planner plans on the agent's ``done``), so b1 starts as soon as a1's
+    # save ends, not at the next slot.
+    sim = Simulation(parse_scenario(BORROW), "omni", record_events=True, coalesce_s=60.0)
+    sim.big = True
+    result = sim.run()
+    assert result["invariant_violations"] == []
+    reclaim = next(e for e in result["events"] if (e.get("reason") or {}).get("rule") == "quota.reclaim")
+    b1 = next(j for j in result["jobs"] if j["name"] == "b1")
+    victim = next(j for j in result["jobs"] if j["name"] == reclaim["job"])
+    released = next(s["end_s"] for s in victim["segments"] if s["end"] == "preempted")
+    assert b1["start_s"] == pytest.approx(released)
+    assert b1["start_s"] % 60.0 != pytest.approx(0.0)
+
+
 def test_the_quota_invariant_is_reported_when_borrowed_gpus_are_not_reclaimed() -> None:
     # The FCFS baseline never reclaims: held to the invariant, it must be reported.
     sim = Simulation(parse_scenario(BORROW), "static")
