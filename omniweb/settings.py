@@ -61,6 +61,11 @@ try:
     OMNI_PLANNER_INTERVAL_S = env_float("OMNI_PLANNER_INTERVAL_S", 5.0, minimum=0.1)
     OMNI_HEARTBEAT_INTERVAL_S = env_float("OMNI_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.1)
     OMNI_HEARTBEAT_MISSES = env_int("OMNI_HEARTBEAT_MISSES", 3, minimum=1)
+    # This share of nodes (at least 2) silent at once is taken for a control-plane outage: they
+    # stay suspect, not failed, for up to OMNI_HEARTBEAT_OUTAGE_PATIENCE x the failure delay
+    # (docs/control-loop.md). 1 turns it off.
+    OMNI_HEARTBEAT_MASS_SILENCE = env_float("OMNI_HEARTBEAT_MASS_SILENCE", 0.55, minimum=0.0)
+    OMNI_HEARTBEAT_OUTAGE_PATIENCE = env_float("OMNI_HEARTBEAT_OUTAGE_PATIENCE", 10.0, minimum=1.0)
     OMNI_COMMAND_ACK_TIMEOUT_S = env_float("OMNI_COMMAND_ACK_TIMEOUT_S", 15.0, minimum=0.1)
     # Ports for jobs' torchrun rendezvous on their leader node (docs/workloads.md).
     OMNI_RDZV_PORTS = env_port_range("OMNI_RDZV_PORTS", "29400-29999")

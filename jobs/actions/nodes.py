@@ -14,7 +14,13 @@ from django.db import transaction
 from django.db.models import Q, QuerySet, TextField
 from django.db.models.functions import Cast
 
-from jobs.actions._common import WORKING_JOB_STATES, actor_name, describe_changes, trigger_plan
+from jobs.actions._common import (
+    WORKING_JOB_STATES,
+    actor_name,
+    control_logger,
+    describe_changes,
+    trigger_plan,
+)
 from jobs.actions.commands import expire_node_commands, record_job_fault
 from jobs.actions.edits import (
     changed_facts,
@@ -241,14 +247,19 @@ def mark_node_failed(node: Node, silence_s: float) -> Node:
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     before = node.state
     node.save(update_fields=node.transition_to(NodeState.FAILED))
+    # Every row lock before the first audit row: recording takes the audit chain's lock until
+    # commit, and a transaction that holds it while waiting for a row another one holds (an
+    # agent's outcome on one of these commands, a cancel of one of these jobs, each of which
+    # records its own event after its row lock) deadlocks with it.
+    expire_node_commands(node, "node failed")
+    job_ids = set(Allocation.objects.filter(node=node).values_list("job_id", flat=True))
+    jobs = list(Job.objects.select_for_update(no_key=True).filter(pk__in=job_ids).order_by("pk"))
     misses = silence_s / settings.OMNI_HEARTBEAT_INTERVAL_S
     record_event(EventKind.NODE_FAILED, actor="system", nodes_before=[node.name], nodes_after=[node.name],
                  reason={"rule": "heartbeat", "text": f"{node.name} silent for {silence_s:.1f}s "
                          f"({misses:.1f} heartbeat intervals); failed.",
                          "inputs": {"node": node.name, "from": before, "silence_s": round(silence_s, 2)}})
-    expire_node_commands(node, "node failed")
-    job_ids = set(Allocation.objects.filter(node=node).values_list("job_id", flat=True))
-    for job in Job.objects.select_for_update(no_key=True).filter(pk__in=job_ids).order_by("pk"):
+    for job in jobs:
         if job.state in WORKING_JOB_STATES:
             record_job_fault(job, "system", f"{node.name} failed under {job.name}", kind=EventKind.NODE_FAILED)
     trigger_plan("node_failed")
@@ -270,12 +281,28 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
         last_heartbeat_at__isnull=False,
         state__in=[NodeState.HEALTHY, NodeState.SUSPECT, NodeState.DRAINING, NodeState.CORDONED],
     )
+    watched = list(watched)
     for node in watched:
         silence_s = (now - node.last_heartbeat_at).total_seconds()
         if silence_s >= fail_after:
             failed.append((node, silence_s))
         elif silence_s >= 1.5 * interval and node.state == NodeState.HEALTHY:
             suspect.append((node, silence_s))
+    share = settings.OMNI_HEARTBEAT_MASS_SILENCE
+    if share < 1.0 and len(watched) >= 2 and len(failed) >= share * len(watched):
+        # Most nodes silent at once is the control plane's outage (its ASGI server, the
+        # network in front of it), not theirs: Kubernetes' node controller stops evicting in a
+        # full disruption for the same reason. Failing them would send every job back to its
+        # checkpoint and every node to an operator's repair. They stay suspect until they are
+        # heard again, or until the silence lasts OMNI_HEARTBEAT_OUTAGE_PATIENCE x longer.
+        patience_s = fail_after * settings.OMNI_HEARTBEAT_OUTAGE_PATIENCE
+        held = [(n, s) for n, s in failed if s < patience_s]
+        if held:
+            control_logger.warning(
+                "%d of %d nodes silent at once: taken for a control-plane outage; %d kept suspect, not failed",
+                len(failed), len(watched), len(held))
+            failed = [(n, s) for n, s in failed if s >= patience_s]
+            suspect += [(n, s) for n, s in held if n.state == NodeState.HEALTHY]
     return suspect, failed
 
 

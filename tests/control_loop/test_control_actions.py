@@ -211,3 +211,31 @@ def test_silent_nodes_go_suspect_then_failed_and_their_jobs_recover(boss, settin
     # A heartbeat does not bring a failed node back: an operator must.
     actions.record_heartbeat(Node.objects.get(name="a1"), [])
     assert Node.objects.get(name="a1").state == "failed"
+
+
+def test_most_nodes_silent_at_once_is_a_control_plane_outage_not_their_failure(boss, settings):
+    from jobs import actions
+    from jobs.models import Node
+
+    _nodes("m1", "m2", "m3")
+    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
+    last = Node.objects.get(name="m1").last_heartbeat_at
+    Node.objects.filter(name="m3").update(last_heartbeat_at=last + timedelta(seconds=2.6 * interval))
+    # m1 and m2 (2 of 3) silent past the failure delay: the server's outage, they stay suspect.
+    at = last + timedelta(seconds=3 * interval)
+    suspect, failed = actions.heartbeat_verdicts(at)
+    assert not failed and sorted(n.name for n, _ in suspect) == ["m1", "m2"]
+    # Silent for patience x the delay, they fail after all.
+    patience = settings.OMNI_HEARTBEAT_OUTAGE_PATIENCE * settings.OMNI_HEARTBEAT_MISSES * interval
+    suspect, failed = actions.heartbeat_verdicts(last + timedelta(seconds=patience + interval))
+    assert sorted(n.name for n, _ in failed) == ["m1", "m2", "m3"]
+    # One node of three silent is that node's failure, as before.
+    Node.objects.filter(name="m2").update(last_heartbeat_at=at)
+    Node.objects.filter(name="m3").update(last_heartbeat_at=at)
+    suspect, failed = actions.heartbeat_verdicts(at + timedelta(seconds=interval))
+    assert [n.name for n, _ in failed] == ["m1"]
+    # Turned off, the old verdict.
+    settings.OMNI_HEARTBEAT_MASS_SILENCE = 1.0
+    Node.objects.filter(name="m2").update(last_heartbeat_at=last)
+    suspect, failed = actions.heartbeat_verdicts(at)
+    assert sorted(n.name for n, _ in failed) == ["m1", "m2"]
