@@ -577,12 +577,13 @@ def expire_overdue_commands(now: datetime | None = None) -> dict[str, int]:
     for command in late.select_related("node", "job"):
         _expire(command, "checkpoint not confirmed by the deadline")
         counts["killed"] += 1
-    # Acknowledged is not done: an agent that acked a launch and then died, or lost the command,
-    # never answers it, and nothing else would ever move the job (docs/control-loop.md).
+    # Acknowledged is not done: an agent that acked a command and then died, or lost it (or its
+    # `done`), never answers it, and nothing else would ever move the job (docs/control-loop.md).
+    # Every kind expires with its reason; a launch's expiry is also its job's fault.
     done_timeout_s = settings.OMNI_COMMAND_DONE_TIMEOUT_S
     stalled = Command.objects.select_for_update(of=("self",), no_key=True).filter(
         Q(deadline_at__isnull=True) | Q(deadline_at__lt=now),
-        kind__in=LAUNCH_COMMANDS, state=CommandState.ACKED, acked_at__lt=now - timedelta(seconds=done_timeout_s),
+        state=CommandState.ACKED, acked_at__lt=now - timedelta(seconds=done_timeout_s),
     )
     for command in stalled.select_related("node", "job"):
         waited_s = (now - command.acked_at).total_seconds() if command.acked_at else done_timeout_s

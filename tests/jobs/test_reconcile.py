@@ -321,3 +321,19 @@ def test_an_acknowledged_resize_waits_for_its_deadline_before_it_expires(boss, s
     assert actions.expire_overdue_commands(now=deadline - timedelta(seconds=1))["stalled"] == 0
     assert actions.expire_overdue_commands(now=deadline + timedelta(seconds=1))["stalled"] == 1
     assert Job.objects.get(pk=job.pk).state == JobState.RECOVERING
+
+
+@pytest.mark.django_db
+def test_a_stop_acknowledged_but_never_done_expires_with_its_reason(boss, settings):
+    settings.OMNI_COMMAND_DONE_TIMEOUT_S = 60.0
+    (node,) = _nodes("n1")
+    job = _placed(boss)
+    stop = Command.objects.create(node=node, job=job, kind=CommandKind.STOP, payload={"job": "be"})
+    actions.claim_commands_for_dispatch(node.id)
+    actions.record_command_ack(node, str(stop.id))
+    acked_at = Command.objects.get(pk=stop.pk).acked_at
+    assert actions.expire_overdue_commands(now=acked_at + timedelta(seconds=59))["stalled"] == 0
+    assert actions.expire_overdue_commands(now=acked_at + timedelta(seconds=61))["stalled"] == 1
+    stop.refresh_from_db()
+    assert stop.state == CommandState.EXPIRED and "never reported done" in stop.error
+    assert not ElasticEvent.objects.filter(job=job, kind=EventKind.FAIL).exists()  # a stop is no launch
