@@ -49,6 +49,25 @@ logger = logging.getLogger("trainer_agent.node")
 RECORD_BUFFER = 2000
 RECORD_FLUSH_S = 1.0
 APPLIED_MEMORY = 4096
+_clock_offset = [0.0, 0.0]  # agent_clock's [offset_s, when it was read]
+
+
+def agent_clock() -> float:
+    """Wall-clock seconds for the timestamps this agent reports (heartbeats, GPU samples, step
+    records). Fault-injection hook (``python -m bench.faults``, docs/faults.md): when
+    ``OMNI_AGENT_TEST_CLOCK_FILE`` names a file, the number of seconds in it is added, re-read
+    at most twice a second, so a bench can jump a running agent's clock; unset, the system
+    clock as it is."""
+    path = os.environ.get("OMNI_AGENT_TEST_CLOCK_FILE")
+    now = time.time()
+    if not path:
+        return now
+    if now - _clock_offset[1] >= 0.5:
+        try:
+            _clock_offset[:] = [float(Path(path).read_text().strip() or 0), now]
+        except (OSError, ValueError):
+            _clock_offset[:] = [0.0, now]
+    return now + _clock_offset[0]
 
 
 # -- GPUs ------------------------------------------------------------------------------------
@@ -87,7 +106,7 @@ class GpuInventory:
 
     def samples(self, busy: dict[int, tuple[str, float]]) -> list[dict[str, Any]]:
         """One sample per GPU; ``busy`` maps GPU index -> (job, simulated utilisation 0..1)."""
-        now = time.time()
+        now = agent_clock()
         out = []
         for i in range(self.count):
             job, util = busy.get(i, (None, 0.0))
@@ -153,7 +172,7 @@ class NodeAgent:
             if len(self.records_out) == self.records_out.maxlen:
                 self.dropped_records += 1  # the deque drops the oldest
             record = _finite(record)
-            record.setdefault("at", time.time())
+            record.setdefault("at", agent_clock())
             self.records_out.append({"job": job, "record": record})
 
     async def _flush(self) -> None:
@@ -184,7 +203,7 @@ class NodeAgent:
             batch, rest = records[:200], records[200:]
             self.steps_seq += 1
             frame = {"type": protocol.STEPS, "job": job, "records": batch, "boot": self.boot, "seq": self.steps_seq,
-                     "sent_at": time.time()}
+                     "sent_at": agent_clock()}
             try:
                 await ws.send(protocol.dumps(frame))
             except Exception:
@@ -220,7 +239,7 @@ class NodeAgent:
 
     def heartbeat_frame(self) -> dict[str, Any]:
         self.seq += 1
-        frame = {"type": protocol.HEARTBEAT, "seq": self.seq, "boot": self.boot, "sent_at": time.time(),
+        frame = {"type": protocol.HEARTBEAT, "seq": self.seq, "boot": self.boot, "sent_at": agent_clock(),
                  "gpus": self.gpus.samples(self._busy()), "workers": self._workers_report(),
                  "dropped_records": self.dropped_records}
         disk = _runs_dir_usage(self.runs_dir)
@@ -235,7 +254,7 @@ class NodeAgent:
     async def run(self) -> int:
         """Connect, serve, reconnect with backoff; return an exit code when told the token is bad."""
         from websockets.asyncio.client import connect
-        from websockets.exceptions import ConnectionClosed, InvalidStatus
+        from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
         tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._heartbeats())]
         url = self.server.replace("http://", "ws://").replace("https://", "wss://") + protocol.AGENT_PATH
@@ -261,7 +280,11 @@ class NodeAgent:
                         logger.error("%s", self.fatal)
                         return 4
                     logger.info("connection closed (%s); reconnecting", code)
-                except (TimeoutError, OSError, InvalidStatus) as exc:
+                # InvalidHandshake: a refused upgrade (InvalidStatus), and also a server, or a proxy
+                # in front of it, that closes the connection before answering (InvalidMessage,
+                # what a daphne killed mid-handshake looks like): retry, never exit and take the
+                # ranks down with the agent (found by bench.faults, kill9_asgi).
+                except (TimeoutError, OSError, InvalidHandshake) as exc:
                     logger.info("cannot reach %s (%s); retrying in %.1fs", url, exc, backoff)
                 finally:
                     self.ws = None
