@@ -128,6 +128,7 @@ def choose_victims(
     fits_split: Callable[[list[Gpu], tuple[Gpu, ...]], bool] | None = None,
     now_s: float | None = None,
     allow: Callable[[VictimOption, list[VictimOption]], bool] | None = None,
+    stop_if_short: bool = False,
 ) -> list[VictimOption] | None:
     """The cheapest set of victim options after which ``fits(freed)`` holds, or None.
 
@@ -139,7 +140,29 @@ def choose_victims(
     ``victim_sort_key``; it may be a lazy iterator (it is consumed only as far as needed). For each candidate in turn the smallest option that completes the
     need is taken; otherwise its largest shrink (or its preemption if it cannot shrink).
     ``allow(option, chosen)``, when given, vetoes options (a team's GPUs beyond its quota only).
+
+    With ``stop_if_short``, a search that fails on shrinks alone is run once more taking each
+    candidate's largest option (its preemption) where none completes the need: shrinks that
+    each free less than the need (a team's excess, replicas off the zone) can fall short where
+    two stops would do.
     """
+    seen: list[Job] = []
+    found = _greedy_victims(_recording(candidates, seen), fits, config, floor_dp, drop_first, fits_split, now_s,
+                            allow, prefer_shrink=True)
+    if found is None and stop_if_short:
+        found = _greedy_victims(iter(seen), fits, config, floor_dp, drop_first, fits_split, now_s, allow,
+                                prefer_shrink=False)
+    return found
+
+
+def _recording(candidates: Iterable[Job], into: list[Job]) -> Iterator[Job]:
+    for job in candidates:
+        into.append(job)
+        yield job
+
+
+def _greedy_victims(candidates, fits, config, floor_dp, drop_first, fits_split, now_s, allow,
+                    prefer_shrink: bool) -> list[VictimOption] | None:
     chosen: list[VictimOption] = []
     freed: list[Gpu] = []
     for job in candidates:
@@ -152,7 +175,7 @@ def choose_victims(
             if fits_split(freed, opt.freed) if fits_split is not None else fits(freed + list(opt.freed)):
                 chosen.append(opt)
                 return chosen
-        shrinks = [o for o in options if o.is_shrink]
+        shrinks = [o for o in options if o.is_shrink] if prefer_shrink else []
         pick = shrinks[-1] if shrinks else options[-1]
         chosen.append(pick)
         freed.extend(pick.freed)
@@ -317,7 +340,7 @@ def take_from_victims(
 
     options = choose_victims(quota_candidates() if quota else candidates(), fits, state.config,
                              floor_dp=lambda j: floors.get(j.name), fits_split=fits_split, now_s=state.now,
-                             allow=allow)
+                             allow=allow, stop_if_short=quota)
     if options is None:
         state.victim_failed_at[key] = min(need, state.victim_failed_at.get(key, 1 << 30))
         return False

@@ -256,3 +256,16 @@ def test_a_long_waiting_borrower_does_not_stop_another_borrower():
     result = plan(snap([*held, aged], teams), 20_000.0)
     assert not acts(result, "preempt") and not acts(result, "shrink")
     assert acts(result, "hold")["v-aged"].reason.inputs["effective_rank"] == 1  # its class, not aged
+
+
+def test_a_reclaim_stops_borrowers_when_their_shrinks_fall_short():
+    teams = [Team("vision", quota_gpus=0), Team("speech", quota_gpus=32)]
+    # Each borrower can shrink to one replica (8 GPUs back each, 16 in all); speech needs 32.
+    borrowers = [job(f"v{i}", tp=8, dp=2, dp_min=1, dp_max=2, global_batch=64 * 2,
+                     gpus=gpus_on(ALL[2 * i], ALL[2 * i + 1]), team="vision", run_started_s=0.0, min_run_s=0.0)
+                 for i in range(2)]
+    owed = job("s-big", tp=8, dp=4, dp_min=4, dp_max=4, global_batch=64 * 4, team="speech", submit_s=9_000.0)
+    result = plan(snap([*borrowers, owed], teams), 10_000.0)
+    stopped = acts(result, "preempt")
+    assert set(stopped) == {"v0", "v1"} and all(a.reason.rule == "quota.reclaim" for a in stopped.values())
+    assert acts(result, "hold")["s-big"].reason.inputs["cause"] == "waiting_for_release"
