@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,32 +29,21 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.procs import answers, free_port, wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _wait(predicate, timeout_s: float, what: str):
+    """``procs.wait_for`` polling every 50 ms: the figures here are latencies."""
+    return wait_for(predicate, timeout_s, what, every_s=0.05)
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
-def _wait(predicate, timeout_s: float, what: str, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise SystemExit(f"bench: timed out after {timeout_s:.0f}s waiting for {what}")
+
+
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -122,7 +110,7 @@ def _drop_postgres(base_url: str, name: str) -> None:
 
 def run(mode: str, jobs: int, heartbeat_s: float, nodes: int) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="omni-bench-"))
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update({
         "OMNI_VAR_DIR": str(workdir / "var"), "SECRET_KEY": "omni-bench-not-secret",
@@ -176,7 +164,7 @@ def run(mode: str, jobs: int, heartbeat_s: float, nodes: int) -> dict[str, Any]:
                                    "-s", str(workdir / "beat-schedule"), "--pool=solo",
                                    "-Q", "planner,control,telemetry,celery", "--loglevel=WARNING",
                                    "--without-gossip", "--without-mingle", "--without-heartbeat"])
-        _wait(lambda: _answers(port), 60, "the ASGI server")
+        _wait(lambda: answers(port), 60, "the ASGI server")
         url = f"http://127.0.0.1:{port}"
         runs = str(workdir / "runs")
         stack.spawn("agents", [PY, "-m", "trainer_agent.node", "--server", url, "--virtual-nodes",
@@ -272,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mode = args.mode
     if mode == "auto":
-        mode = "services" if _answers(5432) and _answers(6379) else "embedded"
+        mode = "services" if answers(5432) and answers(6379) else "embedded"
     result = run(mode, args.jobs, args.heartbeat_s, args.nodes)
     if args.json:
         print(json.dumps(result))

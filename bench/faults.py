@@ -37,6 +37,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bench.procs import answers, free_port, wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -62,28 +64,10 @@ def log(message: str) -> None:
     print(f"faults {time.strftime('%H:%M:%S')}: {message}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
-def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 # -- private services ----------------------------------------------------------------------------
@@ -519,7 +503,7 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
         redis_argv = [shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
                       "--save", "", "--appendonly", "no"]
         stack.add("redis", redis_argv)
-        wait_until(lambda: answers(redis_port), 20, "redis-server")
+        wait_for(lambda: answers(redis_port), 20, "redis-server")
         subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
         import django
 
@@ -544,7 +528,7 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
                              str(workdir / "beat-schedule"), "--pool=solo", "-Q", "planner,control,telemetry,celery",
                              "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
                   {"OMNI_PLANNER_PASS_HOLD_S": "0.3"})  # passes that apply hold their lock: kills land mid-pass
-        wait_until(lambda: answers(asgi_port), 60, "daphne")
+        wait_for(lambda: answers(asgi_port), 60, "daphne")
         proxy = CuttingProxy(asgi_port)
         server = f"http://127.0.0.1:{proxy.port}"
         for name in REAL_NODES + SIMULATED_NODES:
@@ -556,7 +540,7 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
             if name in SIMULATED_NODES:
                 argv += ["--simulated-workers", "--time-scale", "0.5"]
             stack.add(f"agent-{name}", argv, {"OMNI_AGENT_TEST_CLOCK_FILE": str(clock)})
-        wait_until(lambda: Node.objects.filter(last_heartbeat_at__isnull=False).count() == 4, 90, "every agent")
+        wait_for(lambda: Node.objects.filter(last_heartbeat_at__isnull=False).count() == 4, 90, "every agent")
 
         actions.submit_job(boss, **_job_spec("long", dp=1, total_steps=100000, priority="regular"))
         actions.submit_job(boss, **_job_spec("elastic", dp=2, total_steps=100000, elastic=True))
@@ -564,7 +548,7 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
         actions.create_reservation(boss, name="window", gpus=2, job=crit,
                                    start_at=timezone.now() + timedelta(seconds=40), period_s=120,
                                    active_s=40)
-        wait_until(lambda: Command.objects.filter(state="done").count() >= 2, 90, "the first jobs to start")
+        wait_for(lambda: Command.objects.filter(state="done").count() >= 2, 90, "the first jobs to start")
         log(f"stack up in {time.monotonic() - started:.0f}s")
 
         checker = Checker(stack)
@@ -722,7 +706,7 @@ def _inject(kind: str, rng: random.Random, stack: Stack, proxy: CuttingProxy, pg
         kind = "kill9_agent"  # no rank alive right now: the agent that would host one instead
     if kind == "kill9_celery":
         try:
-            mid_pass = bool(wait_until(_planner_lock_held, 4.0, "a planner pass", every_s=0.05))
+            mid_pass = bool(wait_for(_planner_lock_held, 4.0, "a planner pass", every_s=0.05))
         except RuntimeError:
             mid_pass = False
         stack.restart("celery")
@@ -730,7 +714,7 @@ def _inject(kind: str, rng: random.Random, stack: Stack, proxy: CuttingProxy, pg
     if kind == "kill9_asgi":
         killed_at = time.monotonic()
         stack.restart("daphne")
-        wait_until(lambda: answers(stack_port(stack)), 60, "daphne after its restart")
+        wait_for(lambda: answers(stack_port(stack)), 60, "daphne after its restart")
         return kind, f"daphne, answering again after {time.monotonic() - killed_at:.1f}s"
     if kind == "kill9_agent":
         node = rng.choice(REAL_NODES + SIMULATED_NODES)

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from bench.procs import answers, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -72,28 +73,10 @@ def _ratio(load: float | None, quiet: float | None) -> float | None:
     return round(load / quiet, 2) if load is not None and quiet else None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
-def _wait(predicate, timeout_s: float, what: str, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def _die_with_parent() -> None:
@@ -491,7 +474,7 @@ def run(args) -> dict[str, Any]:
         data = seed(args.agents, args.users, args.browsers, args.gpus_per_node)
         tokens_file = workdir / "tokens.json"
         tokens_file.write_text(json.dumps(data["tokens"]))
-        ports = [_free_port(), _free_port()]
+        ports = [free_port(), free_port()]
         for i, port in enumerate(ports):
             stack.spawn(f"daphne{i}", [PY, "manage.py", "serve", "--no-loop", "--host", "127.0.0.1",
                                        "--port", str(port)])
@@ -502,7 +485,7 @@ def run(args) -> dict[str, Any]:
                                        "--loglevel=WARNING", "--without-gossip", "--without-mingle",
                                        "--without-heartbeat"])
         for port in ports:
-            _wait(lambda port=port: _answers(port) or stack.check_alive(), 90, f"the ASGI server on port {port}")
+            wait_for(lambda port=port: answers(port) or stack.check_alive(), 90, f"the ASGI server on port {port}")
         halves = [data["virtual"][0::2], data["virtual"][1::2]]
         for i, (port, half) in enumerate(zip(ports, halves, strict=True)):
             if not half:
@@ -513,7 +496,7 @@ def run(args) -> dict[str, Any]:
                                        "--virtual-nodes", str(spec), "--runs-dir", str(workdir / "runs"),
                                        "--log-level", "INFO"])
         agent_nodes = Node.objects.exclude(name=PROBE_NODE)
-        _wait(lambda: stack.check_alive() or agent_nodes.filter(last_heartbeat_at__isnull=False).count() == args.agents,
+        wait_for(lambda: stack.check_alive() or agent_nodes.filter(last_heartbeat_at__isnull=False).count() == args.agents,
               120, f"all {args.agents} agents' heartbeats")
         _say(f"stack up: 2 ASGI servers ({ports[0]}, {ports[1]}), 2 Celery workers, {args.agents} agents")
         spacing_s = max(settings.OMNI_TELEMETRY_LIVE_INTERVAL_S, 0.25) + 0.1
