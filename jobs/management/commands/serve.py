@@ -10,6 +10,30 @@ from django.core.management.base import BaseCommand
 logger = logging.getLogger(__name__)
 
 
+def _leave_bodies_to_django() -> None:
+    """Make daphne hand every POST body to Django unparsed.
+
+    Twisted's ``Request`` parses a POST's form body on its own (``request.args``, which daphne
+    never reads) before daphne sees the request, and answers a multipart body it cannot parse
+    (``--boundary--`` and nothing else) with a bare 400: no content type, no body, nothing in
+    any log, Django never called. With ``parsePOSTFormSubmission=False`` Django parses every body
+    and bad ones get the API's 400 with field messages (docs/api.md). Daphne offers no option
+    for it, so its request class is swapped for one that passes the flag.
+    """
+    from daphne import http_protocol
+
+    if getattr(http_protocol.WebRequest, "leaves_bodies_to_django", False):
+        return
+
+    class BodiesLeftToDjango(http_protocol.WebRequest):
+        leaves_bodies_to_django = True
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, parsePOSTFormSubmission=False, **kwargs)
+
+    http_protocol.WebRequest = BodiesLeftToDjango
+
+
 class Command(BaseCommand):
     help = "Serve HTTP and WebSockets with daphne; in embedded mode also run the periodic tasks in-process."
 
@@ -24,6 +48,7 @@ class Command(BaseCommand):
         from omniweb.asgi import application
         from omniweb.loop import InProcessLoop
 
+        _leave_bodies_to_django()
         loop = None
         if settings.OMNI_INPROCESS_LOOP and not no_loop:
             loop = InProcessLoop()
