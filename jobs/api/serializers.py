@@ -273,6 +273,79 @@ class TeamMemberSerializer(serializers.Serializer):
     since = serializers.DateTimeField()
 
 
+class TeamBarSerializer(serializers.Serializer):
+    """Where a team's bar is filled (``team_data.team_bar``), in percent of its track."""
+
+    within_pct = serializers.FloatField()
+    borrowed_pct = serializers.FloatField()
+    quota_pct = serializers.FloatField()
+    scale_gpus = serializers.IntegerField()
+
+
+class TeamStandingSerializer(serializers.Serializer):
+    """A team as the list answers it (``team_data.team_standings``): its settings and the GPUs it
+    (its teams included) holds now. For the schema only: the rows are built in one pass."""
+
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    parent = serializers.CharField(allow_null=True)
+    quota_gpus = serializers.IntegerField()
+    borrow_limit_gpus = serializers.IntegerField(allow_null=True, help_text="null: no limit.")
+    weight = serializers.FloatField()
+    members_count = serializers.IntegerField(allow_null=True)
+    gpus_held = serializers.IntegerField()
+    gpus_on_loan = serializers.IntegerField(help_text="Of the GPUs held, those lent out of reservations.")
+    gpus_borrowed = serializers.IntegerField(help_text="GPUs held beyond the quota.")
+    gpus_may_take = serializers.IntegerField(allow_null=True, help_text="What it may still take, quota and "
+                                             "borrowing together; null: no limit.")
+    words = serializers.CharField(help_text="The standing in a sentence, as the team page says it.")
+    bar = TeamBarSerializer()
+    default = serializers.BooleanField(required=False, help_text="With `?mine=1` only: whether my submits go "
+                                       "to this team when they name none.")
+
+
+class TeamJobSerializer(serializers.Serializer):
+    """One of a team's unfinished jobs, in full or as a summary (``visibility``) as the viewer may see it."""
+
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    owner = serializers.CharField()
+    priority = serializers.CharField()
+    priority_label = serializers.CharField()
+    state = serializers.CharField()
+    state_label = serializers.CharField()
+    gpus = serializers.IntegerField()
+    borrowed_gpus = serializers.IntegerField()
+    visibility = serializers.ChoiceField(choices=["full", "summary"])
+    team = serializers.CharField(required=False, help_text="In full only.")
+    gpus_wanted = serializers.IntegerField(required=False, help_text="In full only.")
+    pending_reason = serializers.CharField(required=False, allow_blank=True, help_text="In full only.")
+
+
+class TeamReservationSerializer(serializers.Serializer):
+    """A live reservation of the team's or of one of its jobs."""
+
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    team = serializers.CharField(allow_null=True)
+    job = serializers.CharField(allow_null=True)
+    gpus = serializers.IntegerField()
+    spares = serializers.IntegerField()
+    start_at = serializers.DateTimeField()
+    end_at = serializers.DateTimeField(allow_null=True)
+    period_s = serializers.IntegerField(allow_null=True)
+    active_s = serializers.IntegerField(allow_null=True)
+    active_now = serializers.BooleanField()
+
+
+class TeamDetailSerializer(TeamStandingSerializer):
+    """A team's detail (``team_data.team_detail``): its standing, members, jobs and reservations."""
+
+    members = TeamMemberSerializer(many=True)
+    jobs = TeamJobSerializer(many=True)
+    reservations = TeamReservationSerializer(many=True)
+
+
 class ElasticEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = ElasticEvent

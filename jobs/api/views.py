@@ -30,8 +30,10 @@ from jobs.api.serializers import (
     NodeRegisterSerializer,
     NodeSerializer,
     ReservationSerializer,
+    TeamDetailSerializer,
     TeamMemberSerializer,
     TeamMemberWriteSerializer,
+    TeamStandingSerializer,
     TeamWriteSerializer,
 )
 from jobs.models import (
@@ -279,7 +281,8 @@ class TeamViewSet(RefuseNulCharacters, MethodBeforePermission, viewsets.GenericV
     queryset = Team.objects.select_related("parent").order_by("name")
     serializer_class = TeamWriteSerializer
 
-    @extend_schema(parameters=[OpenApiParameter("mine", bool, description="Only the teams I am in, each with "
+    @extend_schema(responses=TeamStandingSerializer(many=True),
+                   parameters=[OpenApiParameter("mine", bool, description="Only the teams I am in, each with "
                                                 "`default`: whether my submits go there when they name none.")])
     def list(self, request: Request) -> Response:
         """Every team with its standing now; a parent's GPUs are its teams' too."""
@@ -290,17 +293,18 @@ class TeamViewSet(RefuseNulCharacters, MethodBeforePermission, viewsets.GenericV
         page = self.paginate_queryset(rows)
         return self.get_paginated_response(page) if page is not None else Response(rows)
 
+    @extend_schema(responses=TeamDetailSerializer)
     def retrieve(self, request: Request, pk=None) -> Response:
         return Response(team_detail(self.get_object(), request.user))
 
-    @extend_schema(request=TeamWriteSerializer)
+    @extend_schema(request=TeamWriteSerializer, responses={201: TeamDetailSerializer})
     def create(self, request: Request) -> Response:
         write = TeamWriteSerializer(data=request.data)
         write.is_valid(raise_exception=True)
         team = actions.create_team(request.user, **write.validated_data)
         return Response(team_detail(team, request.user), status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=TeamWriteSerializer)
+    @extend_schema(request=TeamWriteSerializer, responses=TeamDetailSerializer)
     def partial_update(self, request: Request, pk=None) -> Response:
         team = self.get_object()
         write = TeamWriteSerializer(data=request.data, partial=True)
