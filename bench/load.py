@@ -36,6 +36,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,7 @@ class Browsers:
         self.listeners: list[asyncio.Task] = []
         self.arrivals: dict[float, list[float]] = {}
         self.messages = 0
+        self.by_event: Counter[str] = Counter()  # frames received, by event, over every socket
         self.drops = 0
         self.closing = False
 
@@ -269,6 +271,7 @@ class Browsers:
                 now = time.perf_counter()
                 self.messages += 1
                 message = json.loads(raw)
+                self.by_event[message.get("event") or message.get("type") or "?"] += 1
                 if message.get("event") != "gpu_samples":
                     continue
                 for payload in message.get("batch") or [message.get("payload") or {}]:
@@ -431,10 +434,11 @@ async def measure(args, stack: Stack, ports: list[int], data: dict[str, Any], to
     jobs_running = await asyncio.to_thread(lambda: Job.objects.filter(state=JobState.RUNNING).count())
     sockets_open = len(browsers.sockets) - browsers.drops
     messages = browsers.messages
+    by_event = dict(browsers.by_event.most_common())
     drops = browsers.drops
     await browsers.close()
     return {"phases": phases, "sockets_open": sockets_open, "browser_drops": drops, "browser_messages": messages,
-            "jobs_running": jobs_running}
+            "browser_messages_by_event": by_event, "jobs_running": jobs_running}
 
 
 def count_in_logs(stack: Stack, prefixes: tuple[str, ...], needle: str) -> int:
@@ -566,6 +570,7 @@ def summarise(args, measured: dict[str, Any], connected: int, silent_nodes: int,
         "browsers": args.browsers,
         "browser_sockets_open": measured["sockets_open"],
         "browser_messages": measured["browser_messages"],
+        "browser_messages_by_event": measured["browser_messages_by_event"],
         "agents": args.agents,
         "agent_sockets_open": min(connected, args.agents) - silent_nodes,
         "fanout_samples": load["fan"]["samples"],

@@ -110,6 +110,67 @@ def wait_sent(timeout_s: float = 5.0) -> bool:
     return True
 
 
+class TrailingThrottle:
+    """At most one go per key per ``interval_s``; a go that comes too soon is not lost but runs
+    once, from a timer thread, when the interval is over (the trailing edge), however many came
+    meanwhile: so the last state always goes out, at most ``interval_s`` late.
+
+    ``later`` runs in the timer's thread, which may read the database (its connection is closed
+    after) and must not raise (it is logged). Used by the cluster summary (jobs.live_events) and
+    the telemetry streams (telemetry.ingest.live)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[Hashable, float] = {}
+        self._timers: dict[Hashable, threading.Timer] = {}
+
+    def go(self, key: Hashable, interval_s: float, later: Callable[[], None]) -> bool:
+        """True: go now. False: too soon; ``later`` is (or already was) scheduled."""
+        with self._lock:
+            now = time.monotonic()
+            if key in self._timers:
+                return False
+            wait_s = self._last.get(key, -float("inf")) + interval_s - now
+            if wait_s <= 0:
+                self._last[key] = now
+                return True
+            # The trailing go sends through the loop this caller would have used (the embedded
+            # mode's in-memory layer wakes its consumers only from the server's).
+            timer = threading.Timer(wait_s, self._fire, (key, later, _sender.loop()))
+            timer.daemon = True
+            self._timers[key] = timer
+        timer.start()
+        return False
+
+    def _fire(self, key: Hashable, later: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._timers.pop(key, None)
+            self._last[key] = time.monotonic()
+        _loop_override.loop = loop
+        try:
+            later()
+        except Exception:
+            logger.exception("a held live update for %s failed", key)
+        finally:
+            _loop_override.loop = None
+            from django.db import connection
+
+            connection.close()
+
+    def reset(self) -> None:
+        """Forget every go and cancel the trailing ones (tests: one test's must not reach the next)."""
+        with self._lock:
+            for timer in self._timers.values():
+                timer.cancel()
+            self._timers.clear()
+            self._last.clear()
+
+    def idle(self) -> bool:
+        """No trailing go is scheduled (tests)."""
+        with self._lock:
+            return not self._timers
+
+
 # -- after commit, once per transaction ------------------------------------------------------------
 
 
@@ -260,7 +321,7 @@ class _Sender:
         self._own: tuple[int, asyncio.AbstractEventLoop] | None = None
 
     def submit(self, layer: Any, batches: dict[str, list[dict[str, Any]]]) -> None:
-        loop = self._loop()
+        loop = self.loop()
         with self._lock:
             queue = self._queues.get(loop)
             if queue is None:
@@ -279,11 +340,15 @@ class _Sender:
             return not any(queue.waiting or queue.batches
                            for loop, queue in self._queues.items() if not loop.is_closed())
 
-    def _loop(self) -> asyncio.AbstractEventLoop:
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this thread's batches go through."""
         try:
             return asyncio.get_running_loop()
         except RuntimeError:
             pass
+        override = getattr(_loop_override, "loop", None)
+        if override is not None and not override.is_closed():
+            return override
         # asgiref notes the server's loop in the threads that run sync code for it.
         server = getattr(SyncToAsync.threadlocal, "main_event_loop", None)
         if (server is not None and getattr(SyncToAsync.threadlocal, "main_event_loop_pid", None) == os.getpid()
@@ -330,3 +395,4 @@ class _Sender:
 
 
 _sender = _Sender()
+_loop_override = threading.local()  # TrailingThrottle's timer threads: the loop of who scheduled them

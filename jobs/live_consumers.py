@@ -17,8 +17,10 @@ See docs/live-ui.md.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +28,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from jobs import roles
-from jobs.live import AUDIT_GROUP, CLUSTER_GROUP, job_group, node_group
+from jobs.live import AUDIT_GROUP, BATCH_TYPE, CLUSTER_GROUP, job_group, node_group
 from jobs.models import Job, Node
 from telemetry.metrics import websocket_closed, websocket_opened
 from trainer_agent.protocol import ProtocolError, loads_strict
@@ -144,6 +146,39 @@ def payload_for_user(user, event: str, payload: Any) -> Any:
     return payload_for_viewer(event, payload, lambda job_id: roles.owner_visibility(user, owners.get(job_id)))
 
 
+class SharedViews:
+    """What a batch looks like to one kind of viewer, made once per process.
+
+    channels_redis hands the same batch object to every socket of the process in the group, so
+    the first socket of a kind of viewer (one who sees every job in full: ``None``; else the
+    user's id, since what a researcher sees depends on whose jobs they are) starts cutting and
+    encoding it, as a task, and every socket of that kind awaits the same task (the sockets take
+    the batch concurrently, and the cut may wait on the database for owners). Batches are told
+    apart by identity; each entry keeps its batch alive, so an id is not reused while it is
+    remembered. The in-memory layer copies a message per socket: there every socket makes its
+    own, as before."""
+
+    SIZE = 256
+
+    def __init__(self) -> None:
+        self._views: OrderedDict[tuple[int, int | None], tuple[dict[str, Any], asyncio.Task]] = OrderedDict()
+
+    async def views(self, batch: dict[str, Any], viewer: int | None,
+                    make: Callable[[], Any]) -> list[tuple[str, str]]:
+        key = (id(batch), viewer)
+        entry = self._views.get(key)
+        if entry is None or entry[0] is not batch or entry[1].get_loop() is not asyncio.get_running_loop():
+            entry = (batch, asyncio.ensure_future(make()))
+            self._views[key] = entry
+            while len(self._views) > self.SIZE:
+                self._views.popitem(last=False)
+        # Shielded: a socket that closes while waiting must not cancel the others' views.
+        return await asyncio.shield(entry[1])
+
+
+_shared_views = SharedViews()
+
+
 class LiveConsumer(AsyncJsonWebsocketConsumer):
     """One browser page's socket: permission-checked subscriptions and throttled telemetry."""
 
@@ -232,13 +267,33 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     # -- messages from jobs.live ---------------------------------------------------------------
 
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Channels runs ``close_old_connections`` on the sync thread before every handler; a
+        live batch touches the database only through ``database_sync_to_async`` (which does the
+        same around its call), so it skips that hop: at 200 sockets it was a thread round trip
+        per socket per batch, the server's largest cost after the sends (docs/load.md)."""
+        if message.get("type") == BATCH_TYPE:
+            await self.live_batch(message)
+        else:
+            await super().dispatch(message)
+
     async def live_batch(self, message: dict[str, Any]) -> None:
-        """A group's batch from jobs.live: each message cut for this viewer, then sent (decisions)
-        or buffered into the next telemetry frame."""
+        """A group's batch from jobs.live: each message cut for this viewer and encoded, then
+        sent (decisions) or buffered into the next telemetry frame. Every socket of the process
+        in the group gets the same batch object from the channel layer, so the cut and the JSON
+        text are made once per batch and kind of viewer (``_shared_views``), not once per socket."""
+        viewer = None if self.others_visibility is roles.Visibility.FULL else self.scope["user"].pk
+        for event, text in await _shared_views.views(message, viewer, lambda: self._views(message)):
+            await self._send_live(event, text)
+
+    async def _views(self, message: dict[str, Any]) -> list[tuple[str, str]]:
+        """(event, JSON text) per message of the batch this viewer may see: a whole frame for a
+        decision, the payload alone for telemetry (it joins a frame's ``batch``)."""
         items = [item for item in message.get("messages", ()) if isinstance(item, dict)]
         if self.others_visibility is not roles.Visibility.FULL:
             await self._learn_owners(items)
         user = self.scope["user"]
+        views = []
         for item in items:
             event = item.get("event", "")
             payload = item.get("payload")
@@ -246,8 +301,13 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 payload = payload_for_viewer(
                     event, payload, lambda job_id: roles.owner_visibility(user, self.job_owners.get(job_id))
                 )
-            if payload is not None:
-                await self._send_live(event, payload)
+            if payload is None:
+                continue
+            if event in TELEMETRY_EVENTS:
+                views.append((event, json.dumps(payload)))
+            else:
+                views.append((event, json.dumps({"type": "live", "event": event, "payload": payload})))
+        return views
 
     async def _learn_owners(self, items: list[dict[str, Any]]) -> None:
         """The owners of the jobs a batch names that this socket does not know yet, in one query."""
@@ -261,9 +321,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 self.job_owners.clear()
             self.job_owners.update(await database_sync_to_async(_job_owners)(unknown))
 
-    async def _send_live(self, event: str, payload: Any) -> None:
+    async def _send_live(self, event: str, text: str) -> None:
         if event in TELEMETRY_EVENTS:
-            self._buffer(event, payload)
+            self._buffer(event, text)
             now = time.monotonic()
             wait_s = self.last_frame_at + self.FRAME_INTERVAL_S - now
             if wait_s <= 0 and self.flush_handle is None:
@@ -273,9 +333,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 self.flush_handle = loop.call_later(wait_s, lambda: asyncio.ensure_future(self._flush()))
             return
         await self._flush(force=True)
-        await self.send_json({"type": "live", "event": event, "payload": payload})
+        await self.send(text_data=text)
 
-    def _buffer(self, event: str, payload: Any) -> None:
+    def _buffer(self, event: str, text: str) -> None:
         if self.buffered >= MAX_BUFFERED_PAYLOADS:
             # A browser that cannot keep up loses the oldest samples, never the socket; the
             # page shows how many were dropped and a reload reads them from the database.
@@ -285,7 +345,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 del self.buffer[oldest]
             self.buffered -= 1
             self.dropped += 1
-        self.buffer.setdefault(event, []).append(payload)
+        self.buffer.setdefault(event, []).append(text)
         self.buffered += 1
 
     async def _flush(self, force: bool = False) -> None:
@@ -296,8 +356,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         frames, self.buffer, self.buffered = self.buffer, {}, 0
         self.last_frame_at = time.monotonic()
-        for event, batch in frames.items():
-            frame: dict[str, Any] = {"type": "live", "event": event, "batch": batch}
+        for event, texts in frames.items():
+            # {"type": "live", "event": ..., "batch": [payload, ...], "dropped": n}, from the
+            # payloads' texts as they were encoded once for every socket.
+            dropped = ""
             if self.dropped:
-                frame["dropped"], self.dropped = self.dropped, 0
-            await self.send_json(frame)
+                dropped, self.dropped = f', "dropped": {self.dropped}', 0
+            await self.send(text_data=f'{{"type": "live", "event": {json.dumps(event)}, '
+                                      f'"batch": [{", ".join(texts)}]{dropped}}}')

@@ -295,9 +295,28 @@ def chain_check(previous: ElasticEvent | None, rows: list[ElasticEvent]) -> dict
             "last_id": rows[-1].pk, "rows": len(rows), "last_good_id": last_good, "bad": bad}
 
 
+_summaries = live.TrailingThrottle()
+
+
 def cluster_messages(_: list[Any]) -> list[live.Message]:
     """The Cluster page's summary (header counts, health and planner pills, planner line, queue,
-    a utilisation point), one per transaction that wrote an audit row or a planner run."""
+    a utilisation point), after a transaction that wrote an audit row or a planner run: at most
+    one per ``OMNI_LIVE_SUMMARY_INTERVAL_S`` per process, the state after the last of them
+    always (a summary is the whole state, so one built later says everything the skipped ones
+    would have). Under load that was half of every frame the browsers got (docs/load.md)."""
+    if not _summaries.go(CLUSTER_GROUP, settings.OMNI_LIVE_SUMMARY_INTERVAL_S,
+                         lambda: live.send_messages(summary_messages())):
+        return []
+    return summary_messages()
+
+
+def reset_summaries() -> None:
+    """Forget the summary throttle's state (tests)."""
+    _summaries.reset()
+
+
+def summary_messages() -> list[live.Message]:
+    """The cluster summary now, as a message."""
     from jobs.live_data import cluster_summary, used_point  # live_data reads this module's sentences
 
     summary = cluster_summary()

@@ -33,13 +33,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def _fresh_process_state():
     """Process-local caches (known partitions, sequence windows, allocation routing) start empty in
     every test: a cached partition or source state from a rolled-back test would lie to the next."""
+    from jobs import live_events
     from jobs.api import throttles
     from telemetry import ingest, metrics, partitions
 
     throttles.forget_failures()  # every test client is 127.0.0.1: one test's bad logins are not the next's
     metrics.reset()
     partitions.forget_known_partitions()
-    ingest.throttle.__init__()
+    ingest.throttle.reset()
+    live_events.reset_summaries()  # the cluster summary's per-process throttle, and its timer
     ingest.forget_allocations()
     ingest.forget_sources()
     yield

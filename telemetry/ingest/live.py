@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,27 +29,42 @@ MAX_LIVE_POINTS = 4096
 
 class LiveThrottle:
     """Per-stream buffer of new rows, released at most once per ``interval_s`` (AWX's
-    ``MAX_WEBSOCKET_EVENT_RATE``). Rows held back ride along with the next message; points are
-    built only when a message goes out. A page that (re)connects loads history from
-    telemetry.queries."""
+    ``MAX_WEBSOCKET_EVENT_RATE``). Rows held back ride along with the next message, or, when no
+    next batch comes in time (a node that went quiet, or two servers sharing its samples), go
+    out by themselves at the end of the interval (``jobs.live.TrailingThrottle``): no row waits
+    longer than the interval. Points are built only when a message goes out. A page that
+    (re)connects loads history from telemetry.queries."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[str, list[SampleRows]] = {}
-        self._sent_at: dict[str, float] = {}
+        self._edge = live.TrailingThrottle()
 
-    def offer(self, key: str, rows: SampleRows, interval_s: float) -> list[SampleRows] | None:
-        """Add ``rows``; return everything pending for ``key`` when it may send now."""
+    def offer(self, key: str, rows: SampleRows, interval_s: float, later: Callable[[], None]) -> list[SampleRows] | None:
+        """Add ``rows``; return everything pending for ``key`` when it may send now, else None
+        (``later`` then runs at the interval's end, once, and should ``take`` the rows)."""
         with self._lock:
             pending = self._pending.setdefault(key, [])
             pending.append(rows)
             while len(pending) > 1 and sum(len(chunk) for chunk in pending[1:]) >= MAX_LIVE_POINTS:
                 pending.pop(0)
-            now = time.monotonic()
-            if now - self._sent_at.get(key, -math.inf) < interval_s:
-                return None
-            self._sent_at[key] = now
-            return self._pending.pop(key)
+        if not self._edge.go(key, interval_s, later):
+            return None
+        return self.take(key)
+
+    def take(self, key: str) -> list[SampleRows] | None:
+        with self._lock:
+            return self._pending.pop(key, None)
+
+    def idle(self) -> bool:
+        """Nothing held waits for its interval's end (tests)."""
+        return self._edge.idle()
+
+    def reset(self) -> None:
+        """Drop what is held and the timers that would send it (tests)."""
+        self._edge.reset()
+        with self._lock:
+            self._pending.clear()
 
 
 throttle = LiveThrottle()
@@ -88,9 +103,20 @@ def send_live(kind: str, node: Node, rows: SampleRows) -> None:
     that cannot be sent is dropped (counted), since a page that reconnects reloads from the
     database.
     """
-    due = throttle.offer(f"{kind}:{node.pk}", rows, settings.OMNI_TELEMETRY_LIVE_INTERVAL_S)
-    if not due:
-        return
+    key = f"{kind}:{node.pk}"
+    due = throttle.offer(key, rows, settings.OMNI_TELEMETRY_LIVE_INTERVAL_S, lambda: _release(key, kind, node))
+    if due:
+        _send(kind, node, due)
+
+
+def _release(key: str, kind: str, node: Node) -> None:
+    """The interval's end for rows held back (a timer thread): they go out by themselves."""
+    due = throttle.take(key)
+    if due:
+        _send(kind, node, due)
+
+
+def _send(kind: str, node: Node, due: list[SampleRows]) -> None:
     frames: list[live.Message] = []
     if kind == BatchKind.GPU:
         points = _gpu_points(due)

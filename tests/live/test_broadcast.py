@@ -4,11 +4,13 @@ and the audit rows of a transaction built together in a constant number of queri
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import connection, transaction
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -186,6 +188,7 @@ def test_a_failing_builder_is_logged_and_the_other_messages_still_go(flushes, ca
 @pytest.mark.django_db(transaction=True)
 def test_an_action_sends_its_row_the_jobs_summary_and_the_cluster_summary_after_commit(flushes, researcher, make_job):
     job = make_job()
+    live_events.reset_summaries()  # the submit's summary went out just now: this one would be held
     flushes.clear()
     actions.cancel_job(job, researcher)
     (batches,) = flushes
@@ -194,6 +197,29 @@ def test_an_action_sends_its_row_the_jobs_summary_and_the_cluster_summary_after_
                     ("cluster", "cluster_summary")}
     summary = next(p for _, event, p in events(batches) if event == "cluster_summary")
     assert summary["queue"] == []  # the cancelled job left the queue
+
+
+def _summaries(flushes) -> list[dict]:
+    return [p for batches in flushes for _, event, p in events(batches) if event == "cluster_summary"]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(OMNI_LIVE_SUMMARY_INTERVAL_S=0.4)
+def test_the_cluster_summary_goes_at_most_once_an_interval_and_the_last_state_always(flushes, researcher, make_job):
+    jobs = [make_job(name=f"j{i}") for i in range(4)]
+    live_events.reset_summaries()
+    flushes.clear()
+    for job in jobs:  # four transactions within the interval
+        actions.cancel_job(job, researcher)
+    assert len(_summaries(flushes)) == 1  # the first at once, with three jobs still queued
+    assert len(_summaries(flushes)[0]["queue"]) == 3
+    deadline = time.monotonic() + 5
+    while len(_summaries(flushes)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.6)  # and no more than one trailing summary for the three held
+    first, last = _summaries(flushes)
+    assert last["queue"] == []  # the state after the last cancel
+    assert "cluster" in flushes[-1] and len(flushes[-1]) == 1  # it went by itself, after the interval
 
 
 def _rows_in_one_transaction(job, nodes, n: int) -> None:
@@ -205,6 +231,7 @@ def _rows_in_one_transaction(job, nodes, n: int) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+@override_settings(OMNI_LIVE_SUMMARY_INTERVAL_S=0)  # a summary for each transaction
 def test_a_transaction_of_one_or_ten_audit_rows_is_built_with_the_same_queries(flushes, make_job, make_nodes,
                                                                                  monkeypatch):
     nodes = make_nodes(racks=1, switches=1, nodes=2, gpus=4)

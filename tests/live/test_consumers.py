@@ -6,6 +6,8 @@ cookie path, the real ASGI application), with the in-memory channel layer of the
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.db import database_sync_to_async
@@ -388,3 +390,53 @@ def test_the_cluster_summary_queue_says_why_only_for_jobs_seen_in_full(setting, 
 
     with override_settings(OMNI_JOB_VISIBILITY=setting):
         run(scenario)
+
+
+@pytest.mark.redis
+def test_each_kind_of_viewer_cuts_and_encodes_a_batch_once_and_gets_its_own_cut(
+        researcher, other_researcher, operator, make_job, monkeypatch):
+    """On channels_redis every socket of the process gets the same batch object: the cut and the
+    JSON are made once per kind of viewer (the owner, another researcher, someone who sees
+    everything), and no socket gets another kind's cut."""
+    import os
+
+    from channels.layers import channel_layers
+
+    job = make_job(name="mine")
+    made = []
+    views = LiveConsumer._views
+
+    async def counted(self, message):
+        made.append(self.scope["user"].username)
+        return await views(self, message)
+
+    monkeypatch.setattr(LiveConsumer, "_views", counted)
+    layer = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                         "CONFIG": {"hosts": [os.environ["OMNI_TEST_REDIS_URL"]], "prefix": "omni-test-views"}}}
+
+    async def scenario():
+        viewers = [researcher, researcher, other_researcher, other_researcher, operator]
+        sockets = [await connect(user) for user in viewers]
+        for communicator in sockets:
+            await subscribe(communicator, "cluster")
+        await database_sync_to_async(actions.cancel_job)(job, researcher)
+        seen = []
+        for communicator in sockets:
+            (payload,) = [m["payload"] for m in await receive_all(communicator) if m["event"] == "job"]
+            seen.append(payload)
+            await communicator.disconnect()
+        return seen
+
+    with override_settings(CHANNEL_LAYERS=layer, OMNI_JOB_VISIBILITY="summary"):
+        assert channel_layers.backends == {}
+        seen = run_and_return(scenario)
+    assert [("dp" in p, p.get("visibility")) for p in seen] == [
+        (True, None), (True, None), (False, "summary"), (False, "summary"), (True, None)]
+    assert all(p["name"] == "mine" and p["state"] == "cancelled" for p in seen)
+    # Each batch once per kind of viewer: without sharing, rita's and rob's two sockets would make it twice.
+    counts = Counter(made)
+    assert set(counts) == {"rita", "rob", operator.username} and len(set(counts.values())) == 1, made
+
+
+def run_and_return(scenario):
+    return async_to_sync(scenario)()

@@ -183,6 +183,14 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     from telemetry.ingest import throttle
 
     assert sum(len(chunk) for chunk in throttle._pending[f"gpu:{node.pk}"]) == 8
+    # With no next batch in time, they go out by themselves at the interval's end.
+    deadline = time.monotonic() + 5
+    while not throttle.idle() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert live.wait_sent()
+    (held,) = async_to_sync(layer.receive)(node_channel)["messages"]
+    assert held["event"] == "gpu_samples" and len(held["payload"]["points"]) == 8
+    assert f"gpu:{node.pk}" not in throttle._pending
 
 
 def test_points_from_before_a_job_took_its_gpu_never_reach_its_page(node, make_job,
