@@ -394,6 +394,10 @@ def grant_app_role(role: str, using: str = "default") -> None:
     TRUNCATE bypasses it: the role the application runs as must therefore not own the table. The role
     must exist already: creating login roles and their passwords is the database administrator's job.
     Idempotent; ``post_migrate`` re-runs it (jobs.apps) so tables added later are covered too.
+
+    The role gets no CREATE on the schema: it creates and drops telemetry partitions only through
+    the SECURITY DEFINER functions of telemetry migration 0002, on which it gets EXECUTE (those
+    of them that exist: a ``migrate jobs`` alone has not made them yet).
     """
     connection = connections[using]
     if connection.vendor != "postgresql":
@@ -425,3 +429,8 @@ def grant_app_role(role: str, using: str = "default") -> None:
             f"REVOKE UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER ON {AUDIT_TABLE} FROM {quoted}",
         ):
             cursor.execute(sql)
+        for function in ("omni_telemetry_create_partition(text, timestamptz, timestamptz)",
+                         "omni_telemetry_drop_partition(text)"):
+            cursor.execute("SELECT to_regprocedure(%s) IS NOT NULL", [f"{schema}.{function}"])
+            if cursor.fetchone()[0]:
+                cursor.execute(f"GRANT EXECUTE ON FUNCTION {schema}.{function} TO {quoted}")

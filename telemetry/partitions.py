@@ -6,6 +6,11 @@ ahead by the periodic ``telemetry.maintain_partitions`` task and on demand by in
 for a day with no partition creates it in its own transaction). Retention drops whole
 partitions whose upper bound is older than the table's retention: no row-by-row DELETE, no
 bloat, no vacuum debt. Embedded SQLite has no partitions and deletes old rows instead.
+
+On PostgreSQL both go through the SECURITY DEFINER functions of migration 0002,
+``omni_telemetry_create_partition`` and ``omni_telemetry_drop_partition``, whoever the caller
+is: the restricted application role of ``grant_app_role`` may not create or drop tables itself
+(docs/audit-log.md), and the tables' owner takes the same path.
 """
 
 from __future__ import annotations
@@ -78,12 +83,14 @@ def partition_name(table: PartitionedTable, start: datetime) -> str:
 
 
 def _create_partition(cursor, table: PartitionedTable, start: datetime, end: datetime) -> str:
-    name = partition_name(table, start)
-    cursor.execute(
-        f"CREATE TABLE IF NOT EXISTS {name} PARTITION OF {table.name} "
-        f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')"
-    )
-    return name
+    # CREATE TABLE IF NOT EXISTS ... PARTITION OF, as the tables' owner (migration 0002).
+    cursor.execute("SELECT omni_telemetry_create_partition(%s, %s, %s)", [table.name, start, end])
+    return cursor.fetchone()[0]
+
+
+def _drop_partition(cursor, name: str) -> None:
+    # DETACH PARTITION then DROP TABLE, as the tables' owner (migration 0002).
+    cursor.execute("SELECT omni_telemetry_drop_partition(%s)", [name])
 
 
 def ensure_partitions(table_name: str, first: datetime, last: datetime) -> list[str]:
@@ -172,10 +179,7 @@ def maintain(now: datetime | None = None) -> MaintenanceReport:
             _, end = partition_bounds(table, start)
             if end <= cutoff:
                 with transaction.atomic(), connection.cursor() as cursor:
-                    # DETACH first, so the parent's brief exclusive lock is not held while the
-                    # files are removed.
-                    cursor.execute(f"ALTER TABLE {table.name} DETACH PARTITION {name}")
-                    cursor.execute(f"DROP TABLE {name}")
+                    _drop_partition(cursor, name)
                 dropped.append(name)
                 with _known_lock:
                     _known.discard(name)

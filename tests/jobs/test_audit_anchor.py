@@ -237,15 +237,19 @@ def test_migrate_regrants_the_app_role(app_role, settings):
     from django.core.management.sql import emit_post_migrate_signal
 
     with connection.cursor() as cursor:
-        cursor.execute("SELECT has_table_privilege(%s, 'jobs_job', 'UPDATE')", [app_role])
-        assert cursor.fetchone()[0] is False
+        partition_functions = ("has_function_privilege(%s, 'omni_telemetry_create_partition(text, timestamptz, "
+                               "timestamptz)', 'EXECUTE'), has_function_privilege(%s, "
+                               "'omni_telemetry_drop_partition(text)', 'EXECUTE')")
+        cursor.execute(f"SELECT has_table_privilege(%s, 'jobs_job', 'UPDATE'), {partition_functions}", [app_role] * 3)
+        assert cursor.fetchone() == (False, False, False)
         settings.OMNI_APP_DB_ROLE = app_role
         emit_post_migrate_signal(verbosity=0, interactive=False, db="default")
         settings.OMNI_APP_DB_ROLE = None  # the teardown's flush migrates again, after the role is gone
         cursor.execute("SELECT has_table_privilege(%s, 'jobs_job', 'UPDATE'), "
                        "has_table_privilege(%s, 'jobs_elasticevent', 'INSERT'), "
-                       "has_table_privilege(%s, 'jobs_elasticevent', 'UPDATE')", [app_role] * 3)
-        assert cursor.fetchone() == (True, True, False)
+                       f"has_table_privilege(%s, 'jobs_elasticevent', 'UPDATE'), {partition_functions}",
+                       [app_role] * 5)
+        assert cursor.fetchone() == (True, True, False, True, True)
 
 
 @pytest.mark.postgres
