@@ -357,7 +357,7 @@ class Checker:
         from jobs.audit import verify_chain
         from jobs.models import Allocation, Command, ElasticEvent, EventKind, Job
         from trainer_agent.launch import safe_name
-        from trainer_agent.workers import has_only_simulated_history
+        from trainer_agent.workers import resumes_simulated
 
         out: list[tuple[str, str]] = []
         now = timezone.now()
@@ -428,9 +428,11 @@ class Checker:
             if undone:
                 out.append(("job_not_settled", f"{job.name}'s launch on {', '.join(undone)} is not done yet"))
                 continue
-            # A job that so far ran only on simulated nodes stays simulated on a real one too (the
-            # agent's own rule, trainer_agent.node): no ranks to find there, only its steps.
-            simulated = has_only_simulated_history(self.runs_dir / safe_name(job.name))
+            # A job whose newest checkpoint simulated workers saved, or that spans a simulated
+            # node, runs simulated on a real node too (the agent's own rule, trainer_agent.node):
+            # no ranks to find there, only steps.
+            simulated = (resumes_simulated(self.runs_dir / safe_name(job.name))
+                         or any(node in SIMULATED_NODES for node in nodes))
             for node in nodes:
                 if node in REAL_NODES and not simulated and not any(
                         table[pid][1].get("OMNI_JOB") == job.name and table[pid][1].get("OMNI_RUN_ID") == job.run_id
@@ -596,6 +598,7 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
                 by_kind[kind]["survived"] += 1
                 settle_times.append(settle)
             else:
+                _dump_state(workdir / f"fault-{i}-state.json", problems)
                 failures.append({"fault": i, "kind": kind, "target": target, "seed": seed,
                                  "checks": sorted({c for c, _ in problems}),
                                  "details": [f"{c}: {d}" for c, d in problems[:8]]})
@@ -661,6 +664,38 @@ def _churn(rng: random.Random, boss, n: int) -> int:
         except IllegalTransition:
             pass  # it finished since it was read: refused, as it would be to a user
     return submitted
+
+
+def _dump_state(path: Path, problems: list[tuple[str, str]]) -> None:
+    """For a failed fault, the database rows that explain it (the private cluster goes with the
+    run): every job a problem names, with its allocations, commands and audit rows, as JSON."""
+    from jobs.models import Allocation, Command, ElasticEvent, Job
+
+    try:
+        named = [job for job in Job.objects.all() if any(re.search(rf"\b{re.escape(job.name)}\b", d)
+                                                         for _, d in problems)]
+        out = {"problems": problems, "jobs": []}
+        for job in named:
+            out["jobs"].append({
+                "name": job.name, "state": job.state, "run_id": job.run_id, "dp": job.dp,
+                "committed_steps": job.committed_steps, "total_steps": job.total_steps,
+                "last_checkpoint_step": job.last_checkpoint_step, "pending_reason": job.pending_reason,
+                "allocations": [f"{node}/gpu{gpu}" for node, gpu in
+                                Allocation.objects.filter(job=job).values_list("node__name", "gpu_index")],
+                "commands": [{"id": str(c.id), "kind": c.kind, "node": c.node.name, "state": c.state,
+                              "attempts": c.attempts, "run_id": c.payload.get("run_id"),
+                              "leader": c.payload.get("leader"), "created_at": str(c.created_at),
+                              "acked_at": str(c.acked_at), "finished_at": str(c.finished_at),
+                              "outcome": c.outcome, "error": c.error}
+                             for c in Command.objects.filter(job=job).select_related("node").order_by("created_at")],
+                "events": [{"id": e.id, "at": str(e.at), "kind": e.kind, "actor": e.actor,
+                            "nodes_before": e.nodes_before, "nodes_after": e.nodes_after,
+                            "text": (e.reason or {}).get("text"), "outcome": e.outcome}
+                           for e in ElasticEvent.objects.filter(job=job).order_by("id")],
+            })
+        path.write_text(json.dumps(out, indent=1, default=str))
+    except Exception as exc:  # the database may be the thing that failed
+        path.write_text(json.dumps({"problems": problems, "error": f"{type(exc).__name__}: {exc}"}))
 
 
 def _events_since(last_id: int) -> str:

@@ -219,7 +219,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
     async def on_hello(self, frame: dict[str, Any]) -> None:
         """Fence workers for jobs no longer placed here, recover the runs a restarted agent lost,
-        then replay every unacked command."""
+        then replay every unacked command, and the acked ones it applied (their ``done`` again)."""
         workers = [w for w in frame.get("workers", []) if isinstance(w, dict)]
         inventory = frame.get("inventory") if isinstance(frame.get("inventory"), dict) else {}
         applied = frame.get("applied") if isinstance(frame.get("applied"), list) else []
@@ -233,7 +233,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                       applied: list[str] | None = None) -> list[dict[str, Any]]:
         assert self.node is not None
         actions.record_agent_hello(self.node, workers, address, applied or [])
-        commands = actions.claim_commands_for_dispatch(self.node.id, include_sent=True)
+        commands = actions.claim_commands_for_dispatch(self.node.id, include_sent=True, applied=applied or [])
         return [actions.command_frame(c) for c in commands]
 
     async def agent_replaced(self, event: dict[str, Any]) -> None:

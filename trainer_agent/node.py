@@ -40,8 +40,8 @@ from trainer_agent.workers import (
     SimulatedJob,
     TorchrunJob,
     WorkerHandle,
-    has_only_simulated_history,
     newest_checkpoint_on_disk,
+    resumes_simulated,
 )
 
 logger = logging.getLogger("trainer_agent.node")
@@ -49,6 +49,7 @@ logger = logging.getLogger("trainer_agent.node")
 RECORD_BUFFER = 2000
 RECORD_FLUSH_S = 1.0
 APPLIED_MEMORY = 4096
+EXIT_MEMORY = 64  # jobs whose last exit report is re-sent after every hello
 _clock_offset = [0.0, 0.0]  # agent_clock's [offset_s, when it was read]
 
 
@@ -149,6 +150,10 @@ class NodeAgent:
         self.jobs: dict[str, TorchrunJob | SimulatedJob] = {}
         self.members: dict[str, list[int]] = {}
         self.applied: collections.OrderedDict[str, dict[str, Any] | None] = collections.OrderedDict()
+        # The last ``exit`` frame of each job whose workers ended here, re-sent after every hello
+        # (``report_exit``): nothing answers an exit, and one the socket took may never have been
+        # applied.
+        self.exits: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self.control_out: collections.deque[dict[str, Any]] = collections.deque()
         self.records_out: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECORD_BUFFER)
         self.dropped_records = 0
@@ -302,6 +307,8 @@ class NodeAgent:
             # The server closes right after; the close code tells run() why.
             await ws.recv()
         self.node = welcome.get("node", self.node)
+        if self.simulated_workers and self.node:
+            _note_simulated_node(self.runs_dir, self.node)
         if welcome.get("heartbeat_interval_s"):
             self.heartbeat_s = float(welcome["heartbeat_interval_s"])
         self.ws = ws
@@ -314,6 +321,7 @@ class NodeAgent:
             "workers": self._workers_report(), "applied": list(self.applied)[-50:],
         }))
         await ws.send(protocol.dumps(self.heartbeat_frame()))
+        self._resend_exits()
         self.connected.set()
         logger.info("connected to %s as %s", self.server, self.node)
         await self._flush()
@@ -359,6 +367,30 @@ class NodeAgent:
                 response.read()
         except Exception:
             pass
+
+    def report_exit(self, job: str, outcome: dict[str, Any]) -> None:
+        """Queue the ``exit`` frame of workers that ended unasked, and keep it to send again.
+
+        A frame the socket accepted is not a frame the server applied: if the consumer dies on
+        it or on a frame before it (PostgreSQL restarting under it, daphne killed, the
+        connection cut mid-frame), the exit is gone, and with it the only word that the job
+        completed or failed. The agent reconnects and lists the launch as applied, so the
+        server waits for an exit that never comes and the job stays ``running`` with no step
+        (bench.faults found it, docs/faults.md). So each job's last exit goes again after every
+        hello; the server applies one once (an older run's, or a job no longer running here,
+        changes nothing)."""
+        frame = {"type": protocol.EXIT, "job": job, "outcome": outcome}
+        self.exits[job] = frame
+        self.exits.move_to_end(job)
+        while len(self.exits) > EXIT_MEMORY:
+            self.exits.popitem(last=False)
+        self.queue_control(frame)
+
+    def _resend_exits(self) -> None:
+        """After a hello: every kept exit frame not still waiting to be sent goes again."""
+        for frame in self.exits.values():
+            if all(queued is not frame for queued in self.control_out):
+                self.queue_control(frame)
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -426,6 +458,16 @@ class NodeAgent:
 
     async def _start(self, command_id: str, job: str, payload: dict[str, Any]) -> None:
         current = self.jobs.get(job)
+        if isinstance(current, SimulatedJob) and current.killed:
+            # Killed a moment ago by a fencing stop that came just before this launch (both in
+            # one replay): its task ends at the loop's next turn. Let it end and answer for it
+            # first, or this launch would be answered "already running" with nothing running.
+            deadline = time.monotonic() + 5.0
+            while current.alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if self.jobs.get(job) is current and not current.alive():
+                await self._on_exit(job, current)
+            current = self.jobs.get(job)
         if current is not None and current.alive():
             same_run = isinstance(current, SimulatedJob) or current.payload.get("run_id") == payload.get("run_id")
             if same_run:
@@ -501,10 +543,14 @@ class NodeAgent:
                               integration=str(workload.get("integration") or "omni"),
                               grace_s=float(workload.get("grace_s") or 30.0))
         run_dir = self.runs_dir / launch.safe_name(job)
+        self.exits.pop(job, None)  # a new run: the last one's exit is history
         worker: TorchrunJob | SimulatedJob
-        if self._simulates(payload) or has_only_simulated_history(run_dir):
-            # A job that so far ran on simulated nodes has no state a real trainer could load:
-            # it stays simulated here too rather than silently restarting from step 0.
+        if self._simulates(payload) or resumes_simulated(run_dir) or _spans_simulated_node(self.runs_dir, payload):
+            # A job whose newest checkpoint was saved by simulated workers has no state a real
+            # trainer could load: it stays simulated here too rather than silently going back to
+            # an older real checkpoint or step 0. And a job that spans a node playing its
+            # workers would wait for ever for that node's ranks at the rendezvous: the leader
+            # here plays all of it instead (test beds only: production never simulates).
             worker = SimulatedJob(handle, run_dir, payload, self.time_scale)
         else:
             worker = TorchrunJob(handle, self.runs_dir, payload, self.python, self.node, self.device,
@@ -567,6 +613,8 @@ class NodeAgent:
 
     async def _on_exit(self, name: str, worker: TorchrunJob | SimulatedJob) -> None:
         """The workers have exited: answer the stop they were asked for, or report the exit."""
+        if self.jobs.get(name) is not worker:
+            return  # answered already (``_start`` reaps a killed worker before a new launch)
         records = worker.read_new_records()
         if records:
             self.queue_records(name, records)
@@ -577,7 +625,7 @@ class NodeAgent:
         if h.stop_command is None:
             outcome = worker.exit_report()
             if outcome is not None:
-                self.queue_control({"type": protocol.EXIT, "job": name, "outcome": outcome})
+                self.report_exit(name, outcome)
         elif isinstance(worker, SimulatedJob) and worker.relaunches():
             await self._relaunch(h.stop_command, name, h.stop_payload or {}, worker.newest_checkpoint())
         else:
@@ -603,6 +651,24 @@ class NodeAgent:
         deadline = time.monotonic() + 5.0
         while any(w.alive() for w in self.jobs.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+
+SIMULATED_NODES_DIR = ".simulated-nodes"  # under the shared runs dir: one empty file per node
+
+
+def _note_simulated_node(runs_dir: Path, node: str) -> None:
+    """Say, on the shared runs dir, that this node plays its workers (``--simulated-workers``)."""
+    try:
+        (runs_dir / SIMULATED_NODES_DIR).mkdir(parents=True, exist_ok=True)
+        (runs_dir / SIMULATED_NODES_DIR / launch.safe_name(node)).touch()
+    except OSError:
+        pass
+
+
+def _spans_simulated_node(runs_dir: Path, payload: dict[str, Any]) -> bool:
+    """Whether another node of the job's placement plays its workers (``_note_simulated_node``)."""
+    return any((runs_dir / SIMULATED_NODES_DIR / launch.safe_name(str(entry.get("node")))).exists()
+               for entry in payload.get("placement") or [] if entry.get("gpus"))
 
 
 def _rendezvous_port_taken(payload: dict[str, Any], node: str) -> str:

@@ -436,10 +436,16 @@ def newest_checkpoint_on_disk(run_dir: Path) -> int:
     return max(best, newest_step(run_dir / "checkpoints"))
 
 
-def has_only_simulated_history(run_dir: Path) -> bool:
-    directory = run_dir / "checkpoints"
-    real = directory.is_dir() and any((e / "manifest.json").exists() for e in directory.iterdir())
-    return (run_dir / SIM_CHECKPOINT).exists() and not real
+def resumes_simulated(run_dir: Path) -> bool:
+    """Whether the job's newest checkpoint is a simulated one: a real trainer cannot load it and
+    would go back to its own older checkpoint (or step 0), so the job stays simulated, on a real
+    node too. Only a test bed mixes the two (bench.faults: a job that ran real, then simulated,
+    then came back to a real node resumed 900 steps back)."""
+    try:
+        simulated = int(json.loads((run_dir / SIM_CHECKPOINT).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return simulated > newest_step(run_dir / "checkpoints")
 
 
 def _tail(path: Path, limit: int = 4000, lines: int = 40) -> str:

@@ -199,16 +199,28 @@ def dispatch_on_commit(node_ids: set[int]) -> None:
 
 
 @transaction.atomic
-def claim_commands_for_dispatch(node_id: int, *, include_sent: bool = False) -> list[Command]:
+def claim_commands_for_dispatch(node_id: int, *, include_sent: bool = False,
+                                applied: Iterable[str] = ()) -> list[Command]:
     """Move a node's pending commands to ``sent`` (one attempt each) and return what to send.
 
     ``include_sent`` also returns commands already sent but not acknowledged: a (re)connecting
     agent gets every unacknowledged command again (at-least-once; the agent dedups by id).
+    ``applied`` (a hello's: the ids this agent process applied) also returns the node's
+    acknowledged commands among them: the agent re-acks a repeated id and sends its ``done``
+    again, so an outcome that never arrived (a frame the socket took, dropped with a consumer
+    that died on the frame before it) is not left to the done timeout.
     """
-    out: list[Command] = []
+    ids = set()
+    for value in applied:
+        try:
+            ids.add(uuid.UUID(str(value)))
+        except ValueError:
+            continue
     states = [CommandState.PENDING, CommandState.SENT] if include_sent else [CommandState.PENDING]
+    wanted = Q(state__in=states) | Q(state=CommandState.ACKED, pk__in=ids) if ids else Q(state__in=states)
+    out: list[Command] = []
     for command in (
-        Command.objects.select_for_update(of=("self",), no_key=True).filter(node_id=node_id, state__in=states)
+        Command.objects.select_for_update(of=("self",), no_key=True).filter(wanted, node_id=node_id)
         .select_related("job").order_by("created_at")
     ):
         if command.state == CommandState.PENDING:

@@ -289,7 +289,12 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
         elif silence_s >= 1.5 * interval and node.state == NodeState.HEALTHY:
             suspect.append((node, silence_s))
     share = settings.OMNI_HEARTBEAT_MASS_SILENCE
-    if share < 1.0 and len(watched) >= 2 and len(failed) >= share * len(watched):
+    # Silent at once: every node that has missed a heartbeat, not only those already past the
+    # failure delay. Their last heartbeats are spread over an interval, so in an outage they
+    # cross the delay one monitor tick after another, and counting only those past it failed
+    # the first ones alone (bench.faults: daphne back after 5-6 s against a 6 s delay).
+    silent = sum(1 for node in watched if (now - node.last_heartbeat_at).total_seconds() >= 1.5 * interval)
+    if share < 1.0 and failed and len(watched) >= 2 and silent >= max(2, share * len(watched)):
         # Most nodes silent at once is the control plane's outage (its ASGI server, the
         # network in front of it), not theirs: Kubernetes' node controller stops evicting in a
         # full disruption for the same reason. Failing them would send every job back to its

@@ -239,3 +239,21 @@ def test_most_nodes_silent_at_once_is_a_control_plane_outage_not_their_failure(b
     Node.objects.filter(name="m2").update(last_heartbeat_at=last)
     suspect, failed = actions.heartbeat_verdicts(at)
     assert sorted(n.name for n, _ in failed) == ["m1", "m2"]
+
+
+def test_an_outage_is_one_even_when_the_silent_nodes_cross_the_failure_delay_one_by_one(boss, settings):
+    """Their last heartbeats are spread over an interval, so in an outage the first node is past
+    the failure delay while the others have only missed a beat or two: all stay suspect."""
+    from jobs import actions
+    from jobs.actions.nodes import monitor_tick_s
+    from jobs.models import Node
+
+    _nodes("o1", "o2", "o3", "o4")
+    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
+    last = Node.objects.get(name="o1").last_heartbeat_at
+    for i, name in enumerate(("o2", "o3", "o4"), 1):
+        Node.objects.filter(name=name).update(last_heartbeat_at=last + timedelta(seconds=0.3 * i * interval))
+    fail_after = interval * settings.OMNI_HEARTBEAT_MISSES - monitor_tick_s()
+    at = last + timedelta(seconds=fail_after + 0.05 * interval)  # o1 alone past the delay
+    suspect, failed = actions.heartbeat_verdicts(at)
+    assert not failed and sorted(n.name for n, _ in suspect) == ["o1", "o2", "o3", "o4"]

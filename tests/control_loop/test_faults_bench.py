@@ -23,14 +23,6 @@ pytestmark = [pytest.mark.services, pytest.mark.postgres, pytest.mark.redis, pyt
 FAULTS = 20
 FAULTS_TIMEOUT_S = 600
 
-# An open defect makes a run fail about one seed in two: after kill -9 of an agent, a job can
-# stay `running` with no step and no reason (docs/faults.md, "Open defects"). Until it is fixed
-# the seeded run is opt-in, so that `make test` says so instead of failing at random.
-pytestmark.append(pytest.mark.skipif(
-    os.environ.get("OMNI_RUN_FAULTS") != "1",
-    reason="bench.faults has an open defect (a job left running with no step after kill -9 of an agent, "
-           "docs/faults.md); set OMNI_RUN_FAULTS=1 to run the seeded 20 faults"))
-
 
 def _missing_servers() -> str:
     if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):

@@ -5,6 +5,7 @@ drops its oldest records with a count when the server is away too long."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 
 from trainer_agent import node as agent_node
@@ -62,6 +63,139 @@ def test_a_preempt_finishes_the_step_saves_and_reports_the_checkpoint(tmp_path):
         assert step >= 4 and step == workers.newest_checkpoint_on_disk(tmp_path / "be")
 
     asyncio.run(scenario())
+
+
+class _Socket:
+    """A server connection as the agent sees it: a welcome, then whatever the agent sends, then
+    closed (the server side died, or the connection was cut)."""
+
+    local_address = ("127.0.0.1", 1)
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    async def recv(self) -> str:
+        return json.dumps({"type": "welcome", "protocol": 1, "node": "n1", "heartbeat_interval_s": 1.0})
+
+    async def send(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        raise StopAsyncIteration
+
+
+def test_an_exit_the_socket_took_is_sent_again_after_the_next_hello_until_the_job_runs_again(tmp_path):
+    """A completed job's ``exit`` went out on a socket whose server side then died with it
+    (PostgreSQL restarting under the consumer): the agent must say it again after it reconnects,
+    or the job stays running with no step for ever (bench.faults, docs/faults.md)."""
+
+    async def scenario():
+        agent = _agent(tmp_path)
+        supervisor = asyncio.create_task(agent._supervise())
+        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
+                                "payload": _payload(total_steps=4, run_id="be-1")})
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if "be" not in agent.jobs:
+                break
+        supervisor.cancel()
+        assert "be" not in agent.jobs
+        lost = _Socket()
+        await agent._session(lost)
+        exits = [f for f in lost.sent if f["type"] == "exit"]
+        assert [f["outcome"]["outcome"] for f in exits] == ["completed"]
+
+        again = _Socket()
+        await agent._session(again)
+        types = [f["type"] for f in again.sent]
+        assert types[0] == "hello" and "exit" in types, types
+        (resent,) = [f for f in again.sent if f["type"] == "exit"]
+        assert resent == exits[0]
+
+        # A new run of the job here: its old exit is history and is not sent any more.
+        await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
+                                "payload": _payload(total_steps=400, run_id="be-2")})
+        later = _Socket()
+        await agent._session(later)
+        assert not [f for f in later.sent if f["type"] == "exit"]
+        agent.jobs["be"].signal(signal.SIGKILL)
+
+    asyncio.run(scenario())
+
+
+def test_a_launch_right_behind_the_stop_that_killed_the_old_run_starts_the_new_run(tmp_path):
+    """A fencing stop and the new run's resume in one replay: the killed simulated run is not
+    still "running", so the resume launches, or the job would run nowhere with its launch done."""
+
+    async def scenario():
+        agent = _agent(tmp_path)
+        supervisor = asyncio.create_task(agent._supervise())
+        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
+                                "payload": _payload(run_id="be-1")})
+        await asyncio.sleep(0.3)
+        await agent.on_command({"type": "command", "id": "k", "kind": "stop", "job": "be",
+                                "payload": {"job": "be", "leader": False, "kill": True}})
+        await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
+                                "payload": _payload(run_id="be-2")})
+        (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "r"]
+        assert done["ok"] is True and done["outcome"]["outcome"] == "launched", done
+        await asyncio.sleep(0.3)
+        assert agent.jobs["be"].alive() and agent.jobs["be"].handle.run_id == "be-2"
+        supervisor.cancel()
+        agent.jobs["be"].signal(signal.SIGKILL)
+
+    asyncio.run(scenario())
+
+
+def test_a_real_node_keeps_simulating_a_job_whose_newest_checkpoint_is_simulated(tmp_path, monkeypatch):
+    """A job that ran real (checkpoint 151), then simulated (checkpoint 1059), back on a real
+    node: a real trainer would resume 900 steps back, so it stays simulated; with the real
+    checkpoint the newer one, it runs real."""
+    launched = []
+
+    async def launch(self, dp):
+        launched.append(type(self).__name__)
+
+    monkeypatch.setattr(workers.TorchrunJob, "launch", launch)
+    monkeypatch.setattr(workers.SimulatedJob, "launch", launch)
+    real = tmp_path / "be" / "checkpoints"
+    (real / "step-151").mkdir(parents=True)
+    (real / "step-151" / "manifest.json").write_text("{}")
+    monkeypatch.setattr(workers, "newest_step", lambda directory: 151 if directory == real else 0)
+    (tmp_path / "be" / workers.SIM_CHECKPOINT).write_text('{"step": 1059, "dp": 1}')
+    agent = NodeAgent("http://127.0.0.1:9", "token", node="n1", gpus=GpuInventory(1), runs_dir=tmp_path)
+    payload = _payload(run_id="be-2", placement=[{"node": "n1", "gpus": [0], "address": "127.0.0.1"}],
+                       workload={"entrypoint": ["-m", "trainer_agent.reference"], "integration": "omni"})
+    asyncio.run(agent._launch("be", payload))
+    (tmp_path / "be" / workers.SIM_CHECKPOINT).write_text('{"step": 150, "dp": 1}')
+    asyncio.run(agent._launch("be", payload))
+    assert launched == ["SimulatedJob", "TorchrunJob"]
+
+
+def test_a_real_leader_of_a_job_that_spans_a_simulated_node_plays_all_of_it(tmp_path, monkeypatch):
+    """The simulated node only tracks its GPUs (it plays no ranks), so a real torchrun here
+    would wait at the rendezvous for ever: the leader simulates the whole job instead."""
+    launched = []
+
+    async def launch(self, dp):
+        launched.append(type(self).__name__)
+
+    monkeypatch.setattr(workers.TorchrunJob, "launch", launch)
+    monkeypatch.setattr(workers.SimulatedJob, "launch", launch)
+    agent_node._note_simulated_node(tmp_path, "s1")
+    agent = NodeAgent("http://127.0.0.1:9", "token", node="r1", gpus=GpuInventory(1), runs_dir=tmp_path)
+    workload = {"entrypoint": ["-m", "trainer_agent.reference"], "integration": "omni"}
+    spanning = _payload(run_id="be-1", dp=2, workload=workload,
+                        placement=[{"node": "r1", "gpus": [0], "address": "127.0.0.1"},
+                                   {"node": "s1", "gpus": [1], "address": "127.0.0.1"}])
+    asyncio.run(agent._launch("be", spanning))
+    alone = _payload(run_id="ok-1", job="ok", workload=workload,
+                     placement=[{"node": "r1", "gpus": [0], "address": "127.0.0.1"}])
+    asyncio.run(agent._launch("ok", alone))
+    assert launched == ["SimulatedJob", "TorchrunJob"]
 
 
 def test_the_record_buffer_drops_the_oldest_and_counts_them(tmp_path, monkeypatch):

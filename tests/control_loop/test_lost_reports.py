@@ -1,0 +1,116 @@
+"""Reports an agent sent that the server may never have applied (a frame the socket took, lost
+with a consumer that died on the frame before it): each job's last ``exit`` goes again after
+every hello (trainer_agent/node.py, ``report_exit``) and is applied once, and the hello's replay
+includes the acknowledged commands the agent lists as applied, so it sends their ``done``
+again (docs/control-loop.md, "At-least-once exits")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.testing import WebsocketCommunicator
+from django.utils import timezone
+
+from jobs import actions
+from jobs.consumers import AgentConsumer
+from jobs.models import Command, ElasticEvent, EventKind, Job, JobState, Node
+from jobs.models.commands import CommandState
+from jobs.vocab import CommandKind
+from trainer_agent import protocol
+
+
+@pytest.fixture
+def boss(db, django_user_model):
+    return django_user_model.objects.create_superuser("boss", "boss@example.com", "boss-pass-1234")
+
+
+def _placed(user, name: str = "be") -> tuple[Job, Node]:
+    """A job placed on n1, its start sent."""
+    node = Node.objects.create(name="n1", rack="r0", switch="r0s0", gpu_count=1, last_heartbeat_at=timezone.now())
+    actions.submit_job(user, name=name, priority="best_effort", dp=1, dp_min=1, dp_max=1, global_batch=16,
+                       micro_batch=2, total_steps=100, step_s=1.0, checkpoint_every_steps=5, checkpoint_save_s=1.0,
+                       checkpoint_load_s=1.0, max_restarts=3)
+    actions.run_planner_pass("test")
+    job = Job.objects.get(name=name)
+    actions.claim_commands_for_dispatch(node.id)
+    return job, node
+
+
+def _running(user, name: str = "be") -> tuple[Job, Node]:
+    """A job placed on n1, its start acknowledged and done."""
+    job, node = _placed(user, name)
+    start = Command.objects.get(job=job, kind=CommandKind.START)
+    actions.record_command_ack(node, str(start.id))
+    actions.record_command_outcome(node, str(start.id), ok=True, outcome={"checkpoint_step": 0})
+    assert Job.objects.get(pk=job.pk).state == JobState.RUNNING
+    return job, node
+
+
+def _events(job: Job, kind: EventKind) -> int:
+    return ElasticEvent.objects.filter(job=job, kind=kind).count()
+
+
+@pytest.mark.django_db
+def test_an_exit_sent_again_after_the_hello_completes_the_job_once(boss):
+    job, node = _running(boss)
+    start = Command.objects.get(job=job, kind=CommandKind.START)
+    completed = {"outcome": "completed", "run_id": job.run_id, "leader": True, "step": 100}
+    # The first copy died with the consumer; the agent reconnects, lists its start, sends it again.
+    actions.record_agent_hello(node, [], applied=[str(start.id)])
+    assert Job.objects.get(pk=job.pk).state == JobState.RUNNING
+    actions.record_worker_exit(node, job.name, completed)
+    actions.record_agent_hello(node, [], applied=[str(start.id)])
+    actions.record_worker_exit(node, job.name, completed)
+    job.refresh_from_db()
+    assert job.state == JobState.COMPLETED and job.committed_steps == 100
+    assert _events(job, EventKind.COMPLETE) == 1
+
+
+@pytest.mark.django_db
+def test_a_failed_runs_exit_sent_again_restarts_the_job_once(boss):
+    job, node = _running(boss)
+    failed = {"outcome": "failed", "run_id": job.run_id, "leader": True, "code": 1, "rank": 0,
+              "error": "Traceback ...\nValueError: boom"}
+    actions.record_worker_exit(node, job.name, failed)
+    actions.record_worker_exit(node, job.name, failed)
+    job.refresh_from_db()
+    assert job.state == JobState.RECOVERING and job.restarts == 1
+    assert _events(job, EventKind.RESTART) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hello_that_lists_an_acknowledged_command_gets_it_again_so_its_done_is_resent(boss):
+    job, node = _placed(boss)
+    start = Command.objects.get(job=job, kind=CommandKind.START)
+    actions.record_command_ack(node, str(start.id))  # the ack arrived; the done behind it did not
+    token = node.issue_token()
+    node.save(update_fields=["agent_token_hash"])
+    headers = [(b"authorization", f"Bearer {token}".encode())]
+
+    async def scenario() -> list[dict]:
+        communicator = WebsocketCommunicator(AgentConsumer.as_asgi(), protocol.AGENT_PATH, headers=headers)
+        assert (await communicator.connect())[0]
+        assert (await communicator.receive_json_from(timeout=2))["type"] == protocol.WELCOME
+        await communicator.send_to(text_data=json.dumps({
+            "type": "hello", "protocol": protocol.PROTOCOL_VERSION, "node": "n1",
+            "inventory": {"gpus": [{"index": 0, "model": "simulated", "mem_bytes": 1}], "address": "127.0.0.1"},
+            "workers": [{"job": job.name, "state": "running", "step": 3, "gpus": [0], "run_id": job.run_id,
+                         "leader": True}],
+            "applied": ["not-a-uuid", str(start.id)],
+        }))
+        frames = [await communicator.receive_json_from(timeout=5)]
+        while not await communicator.receive_nothing(timeout=0.5):
+            frames.append(await communicator.receive_json_from(timeout=1))
+        await communicator.disconnect()
+        return frames
+
+    frames = async_to_sync(scenario)()
+    assert [(f["type"], f["id"]) for f in frames] == [("command", str(start.id))]
+    # The agent answers the repeated id with its cached done: applied now, once.
+    actions.record_command_ack(node, str(start.id))
+    for _ in range(2):
+        actions.record_command_outcome(node, str(start.id), ok=True, outcome={"checkpoint_step": 0})
+    assert Command.objects.get(pk=start.pk).state == CommandState.DONE
+    assert ElasticEvent.objects.filter(job=job, kind=EventKind.OUTCOME).count() == 1
