@@ -196,15 +196,26 @@ class TeamLedger:
                     for jobs in by_team.values() for v in jobs}
             by_team = {t: [v for v in jobs if give[v.spec.name] > 0] for t, jobs in by_team.items()}
             direct = {t: sum(give[v.spec.name] for v in jobs) for t, jobs in by_team.items()}
-            take: dict[str, int] = {}
+            # What can be taken from a team (its subtree's victims together) within its excess:
+            # victims give back in whole chunks (a shrink by replicas, or a stop), so the best
+            # sum of one chunk per victim that stays within the excess, not min(excess, sum of
+            # each victim's most): two teams each holding 3 beyond their quota in 2-GPU jobs give
+            # back 4, not 6, since the planner may take no more from a team than its excess.
+            sums: dict[str, int] = {}
 
-            def takeable(team: str, direct: dict[str | None, int] = direct, take: dict[str, int] = take) -> int:
-                if team not in take:
-                    take[team] = min(excess[team], direct.get(team, 0) + sum(takeable(c) for c in self.children[team]))
-                return take[team]
+            def reachable(team: str, by_team: dict[str | None, list[SimJob]] = by_team,
+                          sums: dict[str, int] = sums) -> int:
+                if team not in sums:
+                    cap = excess[team]
+                    reach = _chunk_sums((_give_options(v, min(excess[t] for t in self.chains[v.spec.team]))
+                                         for v in by_team.get(team, ())), cap)
+                    for child in self.children[team]:
+                        reach = _sumset(reach, reachable(child), cap)
+                    sums[team] = reach
+                return sums[team]
 
             roots = {r for r in self.root.values()}
-            per_root = {r: takeable(r) for r in roots}
+            per_root = {r: reachable(r).bit_length() - 1 for r in roots}
             for team, jobs in asking.items():
                 mine = [j for j in jobs if PRIORITY_RANK[j.spec.priority] == floor]
                 if not mine:
@@ -286,6 +297,49 @@ def _freeable(job: SimJob, cap: int) -> int:
         if (d - target) * job.rep <= cap and batch_divides(probe, target):
             return (d - target) * job.rep
     return 0
+
+
+def _give_options(job: SimJob, cap: int) -> list[int]:
+    """Every amount ``job`` can give back in one victim option (a shrink by whole batch-exact
+    replicas, or its preemption) without exceeding ``cap``."""
+    from jobs.simulator.engine import _probe_job
+
+    held = len(job.gpus) + len(job.incoming)
+    probe = _probe_job(job.spec)
+    d = held // job.rep
+    out = [(d - target) * job.rep for target in range(max(1, job.spec.dp_min), d) if batch_divides(probe, target)]
+    out.append(held)
+    return [n for n in out if 0 < n <= cap]
+
+
+def _chunk_sums(options: Iterable[list[int]], cap: int) -> int:
+    """The sums within ``cap`` of at most one amount from each list, as a bit set (bit n: n is
+    reachable; bit 0 always is)."""
+    mask = (1 << (cap + 1)) - 1
+    reach = 1
+    for amounts in options:
+        if not amounts:
+            continue
+        add = 0
+        for n in set(amounts):
+            add |= reach << n
+        reach = (reach | add) & mask
+        if reach >> cap:
+            break  # the whole excess can be taken: nothing can add to it
+    return reach
+
+
+def _sumset(a: int, b: int, cap: int) -> int:
+    """Sums within ``cap`` of one element of bit set ``a`` and one of ``b``."""
+    mask = (1 << (cap + 1)) - 1
+    out = 0
+    n = 0
+    while b:
+        if b & 1:
+            out |= a << n
+        b >>= 1
+        n += 1
+    return out & mask
 
 
 def _fits(job: SimJob, free: dict[str, int], cand: dict[str, int], avail: int) -> bool:

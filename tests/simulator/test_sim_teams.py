@@ -395,3 +395,28 @@ def test_random_scenarios_with_teams_keep_every_invariant_under_omni(data: dict)
     assert result["invariant_violations"] == []
     assert 0.0 <= result["quota_shortfall"] <= 1.0
     assert result["jain_index"] is None or 0.0 < result["jain_index"] <= 1.0 + 1e-9
+
+
+def test_victims_give_back_in_whole_chunks_within_their_teams_excess() -> None:
+    # a and b each hold 3 GPUs beyond their quota of 5, in 2-GPU jobs that cannot shrink: the
+    # planner may take 2 from each (a third job's 2 would pass the excess), 4 in all, and c's
+    # job needs 6. Counting min(excess, what its jobs hold) per team (3 + 3) reported c as kept.
+    data = {
+        "name": "chunks", "horizon_s": 2000,
+        "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 2, "gpus_per_node": 8},
+        "teams": [{"name": "a", "quota_gpus": 5}, {"name": "b", "quota_gpus": 5}, {"name": "c", "quota_gpus": 6}],
+        "jobs": [_job(f"{t}{i}", t, tp=2, global_batch=1, total_steps=3000) for t in "ab" for i in range(4)]
+                + [_job("c1", "c", submit_s=100, tp=2, dp=3, global_batch=3)],
+    }
+    sim = Simulation(parse_scenario(data), "static")
+    sim.quota_invariant = True
+    result = sim.run()
+    assert all(j["start_s"] == 0.0 for j in result["jobs"] if j["name"] != "c1")
+    assert result["invariant_violations"] == []
+    assert result["quota_shortfall"] == 0.0
+    # One GPU more of excess each (quota 4): 3 jobs' worth from a and b together covers c1's 6.
+    for team in data["teams"][:2]:
+        team["quota_gpus"] = 4
+    sim = Simulation(parse_scenario(data), "static")
+    sim.quota_invariant = True
+    assert any("team c is below its quota" in v for v in sim.run()["invariant_violations"])
