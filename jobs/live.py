@@ -11,7 +11,9 @@ nothing. Outside a transaction they go at once.
 Sending never waits on the channel layer: batches are handed to an event loop — the server's
 when the caller runs on it or in one of its worker threads (views, ``database_sync_to_async``),
 else one sender thread per process (Celery workers, management commands) — and a failing layer
-is logged, never raised. The database stays the truth: a page that reconnects reloads its state.
+is logged, never raised. Flushes that queue up while a send is in progress go out together, one
+channel-layer message per group. The database stays the truth: a page that reconnects reloads
+its state.
 
 Groups: ``job-{id}``, ``node-{id}``, ``cluster``, ``audit`` (browsers, jobs.live_consumers) and
 ``agent-{node id}`` (a node's agent, jobs.consumers). On the channel layer a batch is
@@ -21,8 +23,10 @@ Groups: ``job-{id}``, ``node-{id}``, ``cluster``, ``audit`` (browsers, jobs.live
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -30,8 +34,10 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
+import redis
 from asgiref.sync import SyncToAsync
 from channels.layers import get_channel_layer
+from django.conf import settings
 from django.db import transaction
 
 from telemetry import metrics
@@ -134,18 +140,27 @@ class TrailingThrottle:
             if wait_s <= 0:
                 self._last[key] = now
                 return True
-            # The trailing go sends through the loop this caller would have used (the embedded
-            # mode's in-memory layer wakes its consumers only from the server's).
-            timer = threading.Timer(wait_s, self._fire, (key, later, _sender.loop()))
-            timer.daemon = True
-            self._timers[key] = timer
-        timer.start()
+            self._schedule(key, wait_s, self._fire, (key, later))
         return False
+
+    def _schedule(self, key: Hashable, wait_s: float, fire: Callable[..., None], args: tuple,
+                  loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Run ``fire(*args, loop)`` in ``wait_s`` (the caller holds the lock). The trailing go
+        sends through the loop this caller would have used (the embedded mode's in-memory layer
+        wakes its consumers only from the server's)."""
+        timer = threading.Timer(wait_s, fire, (*args, loop or _sender.loop()))
+        timer.daemon = True
+        self._timers[key] = timer
+        timer.start()
 
     def _fire(self, key: Hashable, later: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
             self._timers.pop(key, None)
             self._last[key] = time.monotonic()
+        self._run(key, later, loop)
+
+    @staticmethod
+    def _run(key: Hashable, later: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
         _loop_override.loop = loop
         try:
             later()
@@ -169,6 +184,92 @@ class TrailingThrottle:
         """No trailing go is scheduled (tests)."""
         with self._lock:
             return not self._timers
+
+
+class SharedTrailingThrottle(TrailingThrottle):
+    """A :class:`TrailingThrottle` over every process on the Redis of ``REDIS_URL``: at most one
+    go per key per ``interval_s`` among all of them, whoever claims the key first
+    (``SET NX PX``, Redis's clock). A go that is refused runs ``later`` once the claim that
+    refused it has expired, unless another claim was made meanwhile: that one was made after
+    this go was refused, so after its change committed, and the state it sends carries it.
+    So the last state still always goes out, at most about ``interval_s`` late.
+
+    Without ``REDIS_URL`` (the embedded mode: one process) it is the per-process throttle; if
+    Redis fails it lets the go through (logged): a lost update is worse than an extra one."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name = name
+        self._tokens = itertools.count()
+        self._claims: dict[Hashable, str] = {}  # key -> this process's latest claim
+
+    def go(self, key: Hashable, interval_s: float, later: Callable[[], None]) -> bool:
+        if interval_s <= 0:
+            return True
+        with self._lock:
+            if key in self._timers:
+                return False
+            wait_s = self._last.get(key, -float("inf")) + interval_s - time.monotonic()
+            if wait_s > 0:  # this process's own claim still holds: no need to ask Redis
+                self._schedule(key, wait_s, self._fire, (key, later, interval_s, self._claims.get(key)))
+                return False
+        claimed, holder, wait_s = self._claim(key, interval_s)
+        with self._lock:
+            if claimed:
+                self._last[key], self._claims[key] = time.monotonic(), holder
+                return True
+            if key not in self._timers:
+                self._schedule(key, wait_s, self._fire, (key, later, interval_s, holder))
+        return False
+
+    def _fire(self, key: Hashable, later: Callable[[], None], interval_s: float, refused_by: str | None,
+              loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._timers.pop(key, None)
+        claimed, holder, wait_s = self._claim(key, interval_s)
+        with self._lock:
+            if claimed:
+                self._last[key], self._claims[key] = time.monotonic(), holder
+            elif holder == refused_by and key not in self._timers:  # the timer ran a little early
+                self._schedule(key, wait_s, self._fire, (key, later, interval_s, refused_by), loop)
+        if claimed:
+            self._run(key, later, loop)
+
+    def _claim(self, key: Hashable, interval_s: float) -> tuple[bool, str | None, float]:
+        """(claimed, the claim's holder, seconds it still holds)."""
+        token = f"{socket.gethostname()}:{os.getpid()}:{next(self._tokens)}"
+        url = settings.REDIS_URL
+        if not url:
+            return True, token, 0.0
+        name = f"omni:live:throttle:{self._name}:{key}"
+        try:
+            client = _redis_client(url)
+            for _ in range(3):  # the claim may expire between the SET and the GET
+                if client.set(name, token, nx=True, px=max(1, round(interval_s * 1000))):
+                    return True, token, 0.0
+                holder, ttl_ms = client.pipeline().get(name).pttl(name).execute()
+                if holder is not None:
+                    return False, holder.decode(), max(ttl_ms, 1) / 1000
+        except redis.RedisError as exc:
+            logger.warning("the shared live throttle %s could not reach Redis (%r): going without it", self._name, exc)
+        return True, token, 0.0
+
+    def reset(self) -> None:
+        super().reset()
+        with self._lock:
+            self._claims.clear()
+
+
+_redis_clients: dict[str, redis.Redis] = {}
+
+
+def _redis_client(url: str) -> redis.Redis:
+    """One client per URL and process (redis-py's pool reconnects after a fork); short timeouts:
+    the caller is a request or a worker that must not hang on a throttle."""
+    client = _redis_clients.get(url)
+    if client is None:
+        client = _redis_clients[url] = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    return client
 
 
 # -- after commit, once per transaction ------------------------------------------------------------
@@ -376,19 +477,32 @@ class _Sender:
         task.add_done_callback(self._tasks.discard)
 
     async def _drain(self, queue: _LoopQueue) -> None:
+        """Send the queued batches in order; those that queued up while a send was in progress
+        go together, one channel-layer message per group (each group's messages in order): under
+        load a server's loop handed over flushes faster than it sent them one group message each,
+        and every socket in a group pays per message."""
         try:
             while True:
                 with self._lock:
                     if not queue.batches:
                         return
-                    layer, batches = queue.batches[0]
-                for group, messages in batches.items():
+                    layer = queue.batches[0][0]
+                    taken = 0
+                    merged: dict[str, list[dict[str, Any]]] = {}
+                    for entry_layer, batches in queue.batches:
+                        if entry_layer is not layer:
+                            break
+                        taken += 1
+                        for group, messages in batches.items():
+                            merged.setdefault(group, []).extend(messages)
+                for group, messages in merged.items():
                     try:
                         await layer.group_send(group, {"type": BATCH_TYPE, "messages": messages})
                     except Exception:
                         logger.exception("live batch to %s failed", group)
                 with self._lock:
-                    queue.batches.popleft()
+                    for _ in range(taken):
+                        queue.batches.popleft()
         finally:  # on this loop's thread, as _enqueue: no batch can slip in between
             with self._lock:
                 queue.draining = False

@@ -11,7 +11,9 @@ this viewer may see (:func:`payload_for_viewer`): someone else's job on the clus
 its summary, or not at all. Telemetry frames are throttled: at most one frame per ``FRAME_INTERVAL_S`` per socket,
 later samples batched into the next frame (``{"type": "live", "event": ..., "batch":
 [payload, ...]}``), so a busy job cannot flood a browser (AWX ``MAX_WEBSOCKET_EVENT_RATE``).
-See docs/live-ui.md.
+Snapshots (``job``, ``node``, ``cluster_summary``: each the whole state of one object) are
+coalesced per socket, latest wins: at most one write of them per ``SNAPSHOT_INTERVAL_S``, the
+first after a quiet spell at once. See docs/live-ui.md.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ logger = logging.getLogger(__name__)
 # as bursty): batched and rate-limited. Everything else (decisions, state changes) goes out at
 # once, after any telemetry already buffered so order is kept.
 TELEMETRY_EVENTS = frozenset({"gpu_samples", "step_records", "telemetry", "gpu", "steps", "job_logs"})
+# Events whose payload is the whole state of one object (a job's summary, a node, the cluster
+# summary): of several queued for one socket only the newest needs to go out.
+SNAPSHOT_EVENTS = frozenset({"job", "node", "cluster_summary"})
 MAX_SUBSCRIPTIONS = 256
 MAX_BUFFERED_PAYLOADS = 5000
 # Job owners remembered per socket (owners never change); beyond this the memory starts over.
@@ -133,6 +138,16 @@ def payload_for_viewer(event: str, payload: Any, visibility: Callable[[int], rol
     return payload
 
 
+def snapshot_key(event: str, payload: Any) -> tuple[str, Any] | None:
+    """What a snapshot is the state of (``("job", 7)``, ``("node", 3)``, ``("cluster_summary",
+    None)``), so a newer one replaces it; None for everything else, which is never coalesced."""
+    if event == "cluster_summary":
+        return (event, None)
+    if event in SNAPSHOT_EVENTS and isinstance(payload, dict) and isinstance(payload.get("id"), int):
+        return (event, payload["id"])
+    return None
+
+
 def _job_owners(job_ids: set[int]) -> dict[int, int]:
     return dict(Job.objects.filter(pk__in=job_ids).values_list("id", "owner_id")) if job_ids else {}
 
@@ -164,7 +179,7 @@ class SharedViews:
         self._views: OrderedDict[tuple[int, int | None], tuple[dict[str, Any], asyncio.Task]] = OrderedDict()
 
     async def views(self, batch: dict[str, Any], viewer: int | None,
-                    make: Callable[[], Any]) -> list[tuple[str, str]]:
+                    make: Callable[[], Any]) -> list[tuple[str, Any, str]]:
         key = (id(batch), viewer)
         entry = self._views.get(key)
         if entry is None or entry[0] is not batch or entry[1].get_loop() is not asyncio.get_running_loop():
@@ -179,10 +194,26 @@ class SharedViews:
 _shared_views = SharedViews()
 
 
+def _run_held(flush: Callable[[], Any]) -> None:
+    """Send what a socket held back, from its timer. The socket may have closed since: the server
+    then refuses the send before the consumer hears of the close, and the frames are dropped
+    (a page that reconnects reloads its state): logged, not raised into the loop."""
+
+    def done(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("held live frames not sent: %r", task.exception())
+
+    asyncio.ensure_future(flush()).add_done_callback(done)
+
+
 class LiveConsumer(AsyncJsonWebsocketConsumer):
-    """One browser page's socket: permission-checked subscriptions and throttled telemetry."""
+    """One browser page's socket: permission-checked subscriptions, throttled telemetry and
+    coalesced snapshots."""
 
     FRAME_INTERVAL_S = 0.25
+    # Under load the cluster stream brings a job's summary per audit row and a node per move:
+    # a socket writes its snapshots at most this often, each object once, in its latest state.
+    SNAPSHOT_INTERVAL_S = 0.25
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -192,6 +223,10 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         self.dropped = 0
         self.last_frame_at = 0.0
         self.flush_handle: asyncio.TimerHandle | None = None
+        # (event, object) -> the frame's text, in the order of each one's latest arrival.
+        self.snapshots: dict[tuple[str, Any], str] = {}
+        self.last_snapshots_at = 0.0
+        self.snapshots_handle: asyncio.TimerHandle | None = None
         if user is None or not user.is_authenticated:
             await self.close(code=CLOSE_NOT_SIGNED_IN)
             return
@@ -211,8 +246,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if getattr(self, "counted", False):
             websocket_closed("live")
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
+        for handle in (self.flush_handle, self.snapshots_handle):
+            if handle is not None:
+                handle.cancel()
         for group in list(getattr(self, "joined", ())):
             await self.channel_layer.group_discard(group, self.channel_name)
 
@@ -279,16 +315,27 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     async def live_batch(self, message: dict[str, Any]) -> None:
         """A group's batch from jobs.live: each message cut for this viewer and encoded, then
-        sent (decisions) or buffered into the next telemetry frame. Every socket of the process
-        in the group gets the same batch object from the channel layer, so the cut and the JSON
-        text are made once per batch and kind of viewer (``_shared_views``), not once per socket."""
+        sent (decisions), kept as the latest state of its object (snapshots) or buffered into
+        the next telemetry frame. Every socket of the process in the group gets the same batch
+        object from the channel layer, so the cut and the JSON text are made once per batch and
+        kind of viewer (``_shared_views``), not once per socket. The batch's snapshots go out
+        together once it is read: at once, unless this socket wrote snapshots less than
+        ``SNAPSHOT_INTERVAL_S`` ago (then with whatever else comes until the interval ends)."""
         viewer = None if self.others_visibility is roles.Visibility.FULL else self.scope["user"].pk
-        for event, text in await _shared_views.views(message, viewer, lambda: self._views(message)):
-            await self._send_live(event, text)
+        for event, key, text in await _shared_views.views(message, viewer, lambda: self._views(message)):
+            await self._send_live(event, key, text)
+        if self.snapshots and self.snapshots_handle is None:
+            wait_s = self.last_snapshots_at + self.SNAPSHOT_INTERVAL_S - time.monotonic()
+            if wait_s <= 0:
+                await self._flush_snapshots()
+            else:
+                self.snapshots_handle = asyncio.get_running_loop().call_later(
+                    wait_s, _run_held, self._flush_snapshots)
 
-    async def _views(self, message: dict[str, Any]) -> list[tuple[str, str]]:
-        """(event, JSON text) per message of the batch this viewer may see: a whole frame for a
-        decision, the payload alone for telemetry (it joins a frame's ``batch``)."""
+    async def _views(self, message: dict[str, Any]) -> list[tuple[str, Any, str]]:
+        """(event, snapshot key, JSON text) per message of the batch this viewer may see: a whole
+        frame for a decision or a snapshot, the payload alone for telemetry (it joins a frame's
+        ``batch``)."""
         items = [item for item in message.get("messages", ()) if isinstance(item, dict)]
         if self.others_visibility is not roles.Visibility.FULL:
             await self._learn_owners(items)
@@ -304,9 +351,10 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             if payload is None:
                 continue
             if event in TELEMETRY_EVENTS:
-                views.append((event, json.dumps(payload)))
+                views.append((event, None, json.dumps(payload)))
             else:
-                views.append((event, json.dumps({"type": "live", "event": event, "payload": payload})))
+                views.append((event, snapshot_key(event, payload),
+                              json.dumps({"type": "live", "event": event, "payload": payload})))
         return views
 
     async def _learn_owners(self, items: list[dict[str, Any]]) -> None:
@@ -321,7 +369,12 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 self.job_owners.clear()
             self.job_owners.update(await database_sync_to_async(_job_owners)(unknown))
 
-    async def _send_live(self, event: str, text: str) -> None:
+    async def _send_live(self, event: str, key: Any, text: str) -> None:
+        if key is not None:
+            # The newest state of the object, at its place: after whatever came before it.
+            self.snapshots.pop(key, None)
+            self.snapshots[key] = text
+            return
         if event in TELEMETRY_EVENTS:
             self._buffer(event, text)
             now = time.monotonic()
@@ -330,10 +383,26 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 await self._flush()
             elif self.flush_handle is None:
                 loop = asyncio.get_running_loop()
-                self.flush_handle = loop.call_later(wait_s, lambda: asyncio.ensure_future(self._flush()))
+                self.flush_handle = loop.call_later(wait_s, _run_held, self._flush)
             return
+        # A decision goes out at once, after the snapshots held before it (which flush telemetry
+        # first), so a page never sees it before what preceded it.
+        await self._flush_snapshots()
         await self._flush(force=True)
         await self.send(text_data=text)
+
+    async def _flush_snapshots(self) -> None:
+        """Write the held snapshots, buffered telemetry first (as before any state change)."""
+        if self.snapshots_handle is not None:
+            self.snapshots_handle.cancel()
+            self.snapshots_handle = None
+        if not self.snapshots:
+            return
+        await self._flush(force=True)
+        texts, self.snapshots = list(self.snapshots.values()), {}
+        self.last_snapshots_at = time.monotonic()
+        for text in texts:
+            await self.send(text_data=text)
 
     def _buffer(self, event: str, text: str) -> None:
         if self.buffered >= MAX_BUFFERED_PAYLOADS:

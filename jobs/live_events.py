@@ -295,15 +295,16 @@ def chain_check(previous: ElasticEvent | None, rows: list[ElasticEvent]) -> dict
             "last_id": rows[-1].pk, "rows": len(rows), "last_good_id": last_good, "bad": bad}
 
 
-_summaries = live.TrailingThrottle()
+_summaries = live.SharedTrailingThrottle("cluster-summary")
 
 
 def cluster_messages(_: list[Any]) -> list[live.Message]:
     """The Cluster page's summary (header counts, health and planner pills, planner line, queue,
     a utilisation point), after a transaction that wrote an audit row or a planner run: at most
-    one per ``OMNI_LIVE_SUMMARY_INTERVAL_S`` per process, the state after the last of them
-    always (a summary is the whole state, so one built later says everything the skipped ones
-    would have). Under load that was half of every frame the browsers got (docs/load.md)."""
+    one per ``OMNI_LIVE_SUMMARY_INTERVAL_S`` among all the processes on one Redis (servers and
+    workers; per process in the embedded mode), the state after the last of them always (a
+    summary is the whole state, so one built later says everything the skipped ones would
+    have). Under load that was half of every frame the browsers got (docs/load.md)."""
     if not _summaries.go(CLUSTER_GROUP, settings.OMNI_LIVE_SUMMARY_INTERVAL_S,
                          lambda: live.send_messages(summary_messages())):
         return []

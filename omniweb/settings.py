@@ -111,8 +111,9 @@ try:
     # samples, never consistency. Set to 0 to wait for every flush.
     OMNI_TELEMETRY_ASYNC_COMMIT = env_bool("OMNI_TELEMETRY_ASYNC_COMMIT", default=True)
     OMNI_TELEMETRY_LIVE_INTERVAL_S = env_float("OMNI_TELEMETRY_LIVE_INTERVAL_S", 1.0, minimum=0.0)
-    # The Cluster page's summary goes out at most once per this many seconds per process, the
-    # last state always (docs/live-ui.md, "Throttling").
+    # The Cluster page's summary goes out at most once per this many seconds among all the
+    # processes on one Redis (per process in embedded mode), the last state always
+    # (docs/live-ui.md, "Throttling").
     OMNI_LIVE_SUMMARY_INTERVAL_S = env_float("OMNI_LIVE_SUMMARY_INTERVAL_S", 0.5, minimum=0.0)
     OMNI_TELEMETRY_ROLLUP_INTERVAL_S = env_float("OMNI_TELEMETRY_ROLLUP_INTERVAL_S", 30.0, minimum=1.0)
     OMNI_TELEMETRY_ROLLUP_GRACE_S = env_float("OMNI_TELEMETRY_ROLLUP_GRACE_S", 120.0, minimum=0.0)

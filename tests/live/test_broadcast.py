@@ -3,7 +3,9 @@ and the audit rows of a transaction built together in a constant number of queri
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -156,6 +158,38 @@ def test_one_channel_layer_message_per_group_and_flush():
                                                           {"event": "node", "payload": {"id": 2}}]}
 
 
+class SlowLayer:
+    """A channel layer whose first send waits for ``gate``: flushes queue up behind it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, list[int]]] = []
+        self.gate = threading.Event()
+
+    async def group_send(self, group: str, message: dict) -> None:
+        self.sent.append((group, [m["payload"]["id"] for m in message["messages"]]))
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+
+
+def test_flushes_queued_behind_a_send_in_progress_go_as_one_message_per_group():
+    layer = SlowLayer()
+
+    def flush(**groups: list[int]) -> None:
+        live._sender.submit(layer, {group: [{"event": "job", "payload": {"id": i}} for i in ids]
+                                    for group, ids in groups.items()})
+
+    flush(cluster=[1])
+    deadline = time.monotonic() + 5
+    while not layer.sent and time.monotonic() < deadline:  # the first send is in progress
+        time.sleep(0.005)
+    flush(cluster=[2], audit=[20])
+    flush(cluster=[3])
+    flush(audit=[21], cluster=[4])
+    layer.gate.set()
+    assert live.wait_sent()
+    assert layer.sent == [("cluster", [1]), ("cluster", [2, 3, 4]), ("audit", [20, 21])]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_failing_channel_layer_is_logged_never_raised(monkeypatch, caplog):
     layer = get_channel_layer()
@@ -220,6 +254,71 @@ def test_the_cluster_summary_goes_at_most_once_an_interval_and_the_last_state_al
     first, last = _summaries(flushes)
     assert last["queue"] == []  # the state after the last cancel
     assert "cluster" in flushes[-1] and len(flushes[-1]) == 1  # it went by itself, after the interval
+
+
+# -- the summary across processes (jobs.live.SharedTrailingThrottle) -----------------------------------------
+
+
+@pytest.fixture
+def shared_redis():
+    """settings.REDIS_URL on the test Redis, as the servers and workers of production have it."""
+    import os
+
+    import redis
+
+    url = os.environ["OMNI_TEST_REDIS_URL"]
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter("omni:live:throttle:*"):
+        client.delete(key)
+    with override_settings(REDIS_URL=url):
+        yield client
+
+
+@pytest.mark.redis
+def test_two_processes_go_once_an_interval_together_and_the_held_state_goes_once(shared_redis):
+    """Two throttles with one name are two processes: the first goes, the other is held, and at
+    the interval's end one trailing go carries both held changes (not one each)."""
+    first, second = live.SharedTrailingThrottle("test-pair"), live.SharedTrailingThrottle("test-pair")
+    trailing: list[str] = []
+    assert first.go("cluster", 0.3, lambda: trailing.append("first"))
+    assert not second.go("cluster", 0.3, lambda: trailing.append("second"))
+    assert not first.go("cluster", 0.3, lambda: trailing.append("first"))
+    deadline = time.monotonic() + 3
+    while not (first.idle() and second.idle()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(trailing) == 1, trailing
+    time.sleep(0.35)  # the trailing go's own interval: then anyone goes at once again
+    assert second.go("cluster", 0.3, lambda: trailing.append("second"))
+    assert len(trailing) == 1
+
+
+@pytest.mark.redis
+@pytest.mark.django_db(transaction=True)
+@override_settings(OMNI_LIVE_SUMMARY_INTERVAL_S=0.4)
+def test_the_cluster_summary_waits_while_another_process_sent_one_and_then_goes_with_the_last_state(
+        shared_redis, flushes, researcher, make_job):
+    job = make_job()
+    live_events.reset_summaries()  # the submit's summary went out just now: this process holds the claim
+    shared_redis.delete("omni:live:throttle:cluster-summary:cluster")
+    flushes.clear()
+    # Another server sent a summary just now.
+    shared_redis.set("omni:live:throttle:cluster-summary:cluster", "daphne-on-another-host", px=400)
+    actions.cancel_job(job, researcher)
+    assert _summaries(flushes) == []  # the row, the job: but no summary of this process
+    deadline = time.monotonic() + 3
+    while not _summaries(flushes) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (summary,) = _summaries(flushes)
+    assert summary["queue"] == []  # built after the cancel
+    assert shared_redis.get("omni:live:throttle:cluster-summary:cluster") != b"daphne-on-another-host"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_shared_throttle_goes_when_redis_cannot_be_reached(caplog):
+    throttle = live.SharedTrailingThrottle("test-down")
+    with override_settings(REDIS_URL="redis://127.0.0.1:1/0"), caplog.at_level(logging.WARNING, logger="jobs.live"):
+        assert throttle.go("cluster", 5.0, lambda: None)
+    assert "could not reach Redis" in caplog.text
 
 
 def _rows_in_one_transaction(job, nodes, n: int) -> None:
