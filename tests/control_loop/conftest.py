@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pytest
+
+from bench import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -33,14 +34,11 @@ def free_port() -> int:
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.2) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+    """``bench.procs.wait_for``, failing the test (AssertionError) where it raises RuntimeError."""
+    try:
+        return procs.wait_for(predicate, timeout_s, what, every_s)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def wait_port(port: int, timeout_s: float = 30.0) -> None:
