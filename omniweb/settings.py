@@ -198,8 +198,9 @@ TEMPLATES = [
     },
 ]
 
-# The "throttle" cache counts failed sign-ins and tokens (jobs/api/throttles.py): in Redis in
-# production, so every server process counts together; in memory in embedded mode (one process).
+# The "throttle" cache counts failed sign-ins and tokens (jobs/api/throttles.py) and remembers a
+# control-plane outage for the heartbeat monitor (jobs/actions/nodes.py): in Redis in production,
+# so every server and worker process counts together; in memory in embedded mode (one process).
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
     "throttle": (

@@ -34,6 +34,7 @@ def _fresh_process_state():
     """Process-local caches (known partitions, sequence windows, allocation routing) start empty in
     every test: a cached partition or source state from a rolled-back test would lie to the next."""
     from jobs import live_events
+    from jobs.actions import nodes
     from jobs.api import throttles
     from telemetry import ingest, metrics, partitions
 
@@ -44,6 +45,7 @@ def _fresh_process_state():
     live_events.reset_summaries()  # the cluster summary's per-process throttle, and its timer
     ingest.forget_allocations()
     ingest.forget_sources()
+    nodes.forget_outage()  # a control-plane outage the heartbeat monitor remembers
     yield
 
 

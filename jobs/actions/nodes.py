@@ -5,10 +5,11 @@ silent nodes become suspect, then failed, and the jobs on a failed node recover 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.cache import caches
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q, QuerySet, TextField
@@ -289,26 +290,62 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
         elif silence_s >= 1.5 * interval and node.state == NodeState.HEALTHY:
             suspect.append((node, silence_s))
     share = settings.OMNI_HEARTBEAT_MASS_SILENCE
+    if share >= 1.0 or len(watched) < 2:
+        return suspect, failed
     # Silent at once: every node that has missed a heartbeat, not only those already past the
     # failure delay. Their last heartbeats are spread over an interval, so in an outage they
     # cross the delay one monitor tick after another, and counting only those past it failed
     # the first ones alone (bench.faults: daphne back after 5-6 s against a 6 s delay).
-    silent = sum(1 for node in watched if (now - node.last_heartbeat_at).total_seconds() >= 1.5 * interval)
-    if share < 1.0 and failed and len(watched) >= 2 and silent >= max(2, share * len(watched)):
-        # Most nodes silent at once is the control plane's outage (its ASGI server, the
-        # network in front of it), not theirs: Kubernetes' node controller stops evicting in a
-        # full disruption for the same reason. Failing them would send every job back to its
-        # checkpoint and every node to an operator's repair. They stay suspect until they are
-        # heard again, or until the silence lasts OMNI_HEARTBEAT_OUTAGE_PATIENCE x longer.
-        patience_s = fail_after * settings.OMNI_HEARTBEAT_OUTAGE_PATIENCE
-        held = [(n, s) for n, s in failed if s < patience_s]
-        if held:
-            control_logger.warning(
-                "%d of %d nodes silent at once: taken for a control-plane outage; %d kept suspect, not failed",
-                len(failed), len(watched), len(held))
-            failed = [(n, s) for n, s in failed if s >= patience_s]
-            suspect += [(n, s) for n, s in held if n.state == NodeState.HEALTHY]
+    silent = [node for node in watched if (now - node.last_heartbeat_at).total_seconds() >= 1.5 * interval]
+    patience_s = fail_after * settings.OMNI_HEARTBEAT_OUTAGE_PATIENCE
+    span = outage_span(silent, len(watched), share, now, patience_s + fail_after)
+    if span is None or not failed:
+        return suspect, failed
+    began, seen = span
+    # Most nodes silent at once is the control plane's outage (its ASGI server, the network in
+    # front of it), not theirs: Kubernetes' node controller stops evicting in a full disruption
+    # for the same reason. Failing them would send every job back to its checkpoint and every
+    # node to an operator's repair. They stay suspect until they are heard again, or until the
+    # silence lasts OMNI_HEARTBEAT_OUTAGE_PATIENCE x longer. So do the last ones of an outage
+    # that is ending: nodes are heard again one by one, and those still silent fell below the
+    # share and failed alone; a node last heard between the outage's start and its end is one of
+    # them (one heard after it ended and silent since has failed on its own).
+    held = [(n, s) for n, s in failed
+            if s < patience_s and began - timedelta(seconds=interval) <= n.last_heartbeat_at <= seen]
+    if held:
+        control_logger.warning(
+            "%d of %d nodes silent since a control-plane outage began at %s: %d kept suspect, not failed",
+            len(failed), len(watched), began.isoformat(), len(held))
+        kept = {n.pk for n, _ in held}
+        failed = [(n, s) for n, s in failed if n.pk not in kept]
+        suspect += [(n, s) for n, s in held if n.state == NodeState.HEALTHY]
     return suspect, failed
+
+
+OUTAGE_KEY = "heartbeat:outage-began"
+
+
+def outage_span(silent: list[Node], watched: int, share: float, now: datetime,
+                remember_s: float) -> tuple[datetime, datetime] | None:
+    """The control-plane outage now going on, or just over: (when it began, the earliest last
+    heartbeat of the nodes silent together; when it was last seen, at least ``share`` of the
+    ``watched`` nodes silent). Remembered in the shared cache (Redis in production: every
+    worker's monitor reads it) for ``remember_s`` after it was last seen; None when there is none."""
+    store = caches["throttle"]
+    remembered = store.get(OUTAGE_KEY)
+    span = None
+    if remembered is not None:
+        span = tuple(datetime.fromtimestamp(t, tz=UTC) for t in remembered)
+    if len(silent) >= max(2, share * watched):
+        first = min(node.last_heartbeat_at for node in silent)
+        span = (first if span is None else min(span[0], first), now)
+        store.set(OUTAGE_KEY, [t.timestamp() for t in span], timeout=remember_s)
+    return span  # type: ignore[return-value]
+
+
+def forget_outage() -> None:
+    """Forget a remembered outage (tests: one test's silence is not the next's)."""
+    caches["throttle"].delete(OUTAGE_KEY)
 
 
 def monitor_tick_s() -> float:

@@ -229,7 +229,9 @@ def test_most_nodes_silent_at_once_is_a_control_plane_outage_not_their_failure(b
     patience = settings.OMNI_HEARTBEAT_OUTAGE_PATIENCE * settings.OMNI_HEARTBEAT_MISSES * interval
     suspect, failed = actions.heartbeat_verdicts(last + timedelta(seconds=patience + interval))
     assert sorted(n.name for n, _ in failed) == ["m1", "m2", "m3"]
-    # One node of three silent is that node's failure, as before.
+    # One node of three silent is that node's failure, as before (with no outage remembered: this
+    # one's silence began with the outage above, which would keep it suspect).
+    actions.nodes.forget_outage()
     Node.objects.filter(name="m2").update(last_heartbeat_at=at)
     Node.objects.filter(name="m3").update(last_heartbeat_at=at)
     suspect, failed = actions.heartbeat_verdicts(at + timedelta(seconds=interval))
@@ -239,6 +241,40 @@ def test_most_nodes_silent_at_once_is_a_control_plane_outage_not_their_failure(b
     Node.objects.filter(name="m2").update(last_heartbeat_at=last)
     suspect, failed = actions.heartbeat_verdicts(at)
     assert sorted(n.name for n, _ in failed) == ["m1", "m2"]
+
+
+def test_the_last_nodes_of_an_outage_do_not_fail_alone_as_the_others_are_heard_again(boss, settings):
+    """Nodes are heard again one by one after an outage: the last silent ones fall below the
+    share but their silence began with the outage, so they stay suspect; a node heard after the
+    outage and silent since fails on its own, as does one silent since long before."""
+    from jobs import actions
+    from jobs.actions.nodes import monitor_tick_s
+    from jobs.models import Node
+
+    _nodes("t1", "t2", "t3", "t4", "t5")
+    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
+    last = Node.objects.get(name="t1").last_heartbeat_at
+    fail_after = interval * settings.OMNI_HEARTBEAT_MISSES - monitor_tick_s()
+    # All five silent: an outage, seen by the monitor.
+    during = last + timedelta(seconds=fail_after - interval)
+    suspect, failed = actions.heartbeat_verdicts(during)
+    assert not failed and len(suspect) == 5
+    # The server is back: t1-t3 are heard again; t4 and t5 (2 of 5, below the share) pass the delay.
+    after = last + timedelta(seconds=fail_after + 0.5 * interval)
+    Node.objects.filter(name__in=["t1", "t2", "t3"]).update(last_heartbeat_at=after)
+    suspect, failed = actions.heartbeat_verdicts(after)
+    assert not failed, "the outage's tail failed alone"
+    # Without the outage remembered (a fresh monitor), they would have failed: the old verdict.
+    actions.nodes.forget_outage()
+    suspect, failed = actions.heartbeat_verdicts(after)
+    assert sorted(n.name for n, _ in failed) == ["t4", "t5"]
+    # Remembered again; a node heard after the outage and silent since fails on its own.
+    actions.heartbeat_verdicts(during)
+    Node.objects.filter(name__in=["t4", "t5"]).update(last_heartbeat_at=after)
+    later = after + timedelta(seconds=fail_after + 0.5 * interval)
+    Node.objects.filter(name__in=["t1", "t2", "t4", "t5"]).update(last_heartbeat_at=later)
+    suspect, failed = actions.heartbeat_verdicts(later)
+    assert [n.name for n, _ in failed] == ["t3"]
 
 
 def test_an_outage_is_one_even_when_the_silent_nodes_cross_the_failure_delay_one_by_one(boss, settings):
