@@ -58,8 +58,9 @@ def team_bar(held: int, quota: int, limit: int | None, gpus_total: int) -> dict[
 
 def team_standings(teams: Iterable[Team] | None = None, *, gpus_total: int | None = None) -> list[dict[str, Any]]:
     """Every team (or those given: all of them, ``members_count`` annotated, for a parent's sums) with the
-    GPUs it holds now, its own jobs' and its teams' together, as the planner counts them
-    (``quota.TeamBook``); ``gpus_on_loan``: of them, lent out of reservations. Two queries when
+    GPUs it holds now against its quota, its own jobs' and its teams' together, as the planner
+    counts them (``quota.TeamBook``); ``gpus_on_loan``: beside them, the GPUs other teams'
+    reservations lend its jobs, which count against no quota. Two queries when
     ``teams`` is None, whatever the number of teams (and one for the cluster's size unless
     ``gpus_total`` is given)."""
     if teams is None:
@@ -70,10 +71,16 @@ def team_standings(teams: Iterable[Team] | None = None, *, gpus_total: int | Non
     names = {t.pk: t.name for t in teams}
     held_own: dict[int, int] = {}
     loaned_own: dict[int, int] = {}
-    for row in (Allocation.objects.filter(job__team__isnull=False).order_by().values("job__team_id")
+    # Grouped by whose reservation lent the GPU (its team, or its job's): a GPU lent by another
+    # team's reservation is not held against the quota (``quota.charged_gpus``).
+    for row in (Allocation.objects.filter(job__team__isnull=False).order_by()
+                .values("job__team_id", "borrowed_from__team_id", "borrowed_from__job__team_id")
                 .annotate(n=Count("id"), loaned=Count("id", filter=Q(borrowed_from__isnull=False)))):
-        held_own[row["job__team_id"]] = row["n"]
-        loaned_own[row["job__team_id"]] = row["loaned"]
+        team_id = row["job__team_id"]
+        lender = row["borrowed_from__team_id"] or row["borrowed_from__job__team_id"]
+        uncharged = row["loaned"] if lender != team_id else 0
+        held_own[team_id] = held_own.get(team_id, 0) + row["n"] - uncharged
+        loaned_own[team_id] = loaned_own.get(team_id, 0) + uncharged
     if gpus_total is None and teams:
         gpus_total = Node.objects.aggregate(n=Sum("gpu_count"))["n"] or 0
     covers = team_tree(teams)

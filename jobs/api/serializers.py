@@ -293,8 +293,9 @@ class TeamStandingSerializer(serializers.Serializer):
     borrow_limit_gpus = serializers.IntegerField(allow_null=True, help_text="null: no limit.")
     weight = serializers.FloatField()
     members_count = serializers.IntegerField(allow_null=True)
-    gpus_held = serializers.IntegerField()
-    gpus_on_loan = serializers.IntegerField(help_text="Of the GPUs held, those lent out of reservations.")
+    gpus_held = serializers.IntegerField(help_text="GPUs its jobs (and its teams') hold against its quota.")
+    gpus_on_loan = serializers.IntegerField(
+        help_text="Beside gpus_held: GPUs other teams' reservations lend its jobs, counted against no quota.")
     gpus_borrowed = serializers.IntegerField(help_text="GPUs held beyond the quota.")
     gpus_may_take = serializers.IntegerField(allow_null=True, help_text="What it may still take, quota and "
                                              "borrowing together; null: no limit.")

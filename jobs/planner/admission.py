@@ -208,6 +208,11 @@ def admit(state: PlanningPass, job: Job) -> None:
     if reclaims and not recovering:
         headroom = state.teams.below_quota_by(job.team)
         within = [d for d in dps if d * rep <= headroom]
+        # Smaller on what is free before taking from anyone: it grows later, and the GPUs it
+        # would reclaim for its preferred size cost their borrower a save and a restart.
+        for d in within:
+            if d < preferred and state._try_place(job, d, 0, [], anchor, kind, entitled):
+                return
         if within:
             q_zones = state._zones_for(job, within[0])
             q_free = state._free_total(q_zones)

@@ -35,7 +35,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from jobs.planner import admission, drains, faults, growth, harvest, victims
+from jobs.planner import admission, drains, faults, growth, harvest, quota, victims
 from jobs.planner.admission import TIER_OTHER
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Plan, Reason
@@ -128,7 +128,9 @@ class PlanningPass:
             if job.holdings:
                 self.holders[job.priority] = self.holders.get(job.priority, 0) + 1
         # Teams: quotas, borrowing limits, fair share (rule 9), kept current by ``_emit``.
-        self.teams = TeamBook(snapshot.teams, self.jobs.values())
+        pool_team = quota.pool_teams(snapshot.reservations, snapshot.jobs) if snapshot.teams else {}
+        self.teams = TeamBook(snapshot.teams, self.jobs.values(),
+                              lambda job, gpus: quota.charged_gpus(job.team, gpus, self.view.zone_of_node, pool_team))
         self._node_gpus: tuple[int, ...] | None = None
         self._fit_cache: dict[tuple[int, int, int], dict[str, str]] = {}
         # Per-pass caches kept by the rule modules (victims, admission, harvest, _zones_for).
@@ -183,7 +185,7 @@ class PlanningPass:
         if kind != "hold":
             self.acted.add(job.name)
             if self.teams and job.team is not None:
-                self.teams.add(job.team, len(gpus_after) - len(job.holdings))
+                self.teams.add(job.team, self.teams.charge(job, gpus_after) - self.teams.charge(job, job.gpus))
             if bool(job.holdings) != bool(gpus_after) and (gpus_after or not graceful):
                 self.holders[job.priority] = self.holders.get(job.priority, 0) + (1 if gpus_after else -1)
             new = [g for g in gpus_after if self.view.owner.get(g) != job.name]

@@ -19,19 +19,24 @@ when a team below its quota has waiting work:
   preemption with the reclaim lead time, checkpoint first, its reason in words; the minimum-run
   guarantee still protects a recent start.
 
-``TeamBook`` is the pass's ledger: GPUs held per team (kept current as actions are emitted) and
-the sentences. ``decayed`` and ``accrue`` are the fair-share arithmetic the snapshot builders
+What a team holds against its quota is its jobs' GPUs outside reservations' pools, and on the
+pools of its own reservations (a team's, or its jobs'); GPUs another reservation lends it are not
+counted (``charged_gpus``): reclaimed, they go back to that pool, not to any quota, so a team on
+them keeps no other team from anything (the simulator's quota invariant counts the same).
+
+``TeamBook`` is the pass's ledger: GPUs held per team against its quota (kept current as actions
+are emitted) and the sentences. ``decayed`` and ``accrue`` are the fair-share arithmetic the snapshot builders
 (the simulator, jobs/snapshot.py) use to keep ``Team.usage_gpu_s``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jobs.planner.rhythm import predict
-from jobs.planner.snapshot import PRIORITY_RANK, Job, Team
+from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job, Reservation, Team
 from jobs.planner.wording import plural
 
 if TYPE_CHECKING:
@@ -57,11 +62,32 @@ def accrue(usage_gpu_s: float, gpus: float, dt_s: float, half_life_s: float) -> 
     return decayed(usage_gpu_s, dt_s, half_life_s) + gpus * (1.0 - math.exp(-rate * dt_s)) / rate
 
 
-class TeamBook:
-    """The teams of one pass and the GPUs each holds, its descendants' included."""
+def pool_teams(reservations: Iterable[Reservation], jobs: Iterable[Job]) -> dict[str, str | None]:
+    """The team each reservation's pool belongs to: its own, or its job's (None: no team)."""
+    team_of = {j.name: j.team for j in jobs}
+    return {r.name: r.team or team_of.get(r.job) for r in reservations}
 
-    def __init__(self, teams: Iterable[Team], jobs: Iterable[Job]) -> None:
+
+def charged_gpus(team: str | None, gpus: Sequence[Gpu], zone_of_node: dict[str, str | None],
+                 pool_team: dict[str, str | None]) -> int:
+    """How many of ``gpus``, held by a job of ``team``, count against the team's quota: those
+    outside every reservation's pool and those on its own reservations' pools."""
+    n = 0
+    for g in gpus:
+        zone = zone_of_node.get(g.node)
+        if zone is None or zone not in pool_team or (team is not None and pool_team[zone] == team):
+            n += 1
+    return n
+
+
+class TeamBook:
+    """The teams of one pass and the GPUs each holds against its quota, its descendants' included.
+    ``charge(job, gpus)`` says how many of ``gpus`` count (default: all of them)."""
+
+    def __init__(self, teams: Iterable[Team], jobs: Iterable[Job],
+                 charge: Callable[[Job, Sequence[Gpu]], int] | None = None) -> None:
         self.teams: dict[str, Team] = {t.name: t for t in teams}
+        self.charge = charge or (lambda job, gpus: len(gpus))
         self.held: dict[str, int] = dict.fromkeys(self.teams, 0)
         self.unteamed = 0  # GPUs held by jobs of no team (which only borrow)
         self._chains: dict[str | None, list[Team]] = {}
@@ -72,7 +98,7 @@ class TeamBook:
         self._names: dict[str | None, frozenset[str]] = {}
         for job in jobs:
             if job.holdings:
-                self.add(job.team, len(job.holdings))
+                self.add(job.team, self.charge(job, job.gpus))
 
     def __bool__(self) -> bool:
         return bool(self.teams)

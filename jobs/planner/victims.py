@@ -333,10 +333,12 @@ def take_from_victims(
                     yield entry.job
 
         def allow(opt: VictimOption, chosen: list[VictimOption]) -> bool:
-            # Never more from a team than it holds beyond its quota (nor beyond a parent's).
-            taken = sum(len(o.freed) for o in chosen if book.related(o.job.team, opt.job.team)
+            # Never more from a team than it holds beyond its quota (nor beyond a parent's),
+            # counted as its quota counts them: GPUs another team's reservation lent it are
+            # given back to that pool and leave its excess as it was (``quota.charged_gpus``).
+            taken = sum(book.charge(o.job, o.freed) for o in chosen if book.related(o.job.team, opt.job.team)
                         or (o.job.team is None and opt.job.team is None))
-            return len(opt.freed) + taken <= book.reclaimable(opt.job, job.team)
+            return book.charge(opt.job, opt.freed) + taken <= book.reclaimable(opt.job, job.team)
 
     options = choose_victims(quota_candidates() if quota else candidates(), fits, state.config,
                              floor_dp=lambda j: floors.get(j.name), fits_split=fits_split, now_s=state.now,

@@ -125,6 +125,11 @@ class Simulation:
         self.decide = planner_for(policy, scenario)
         self.state_version = 0
         self.pool_of_node = {n: r.name for r in self.reservations for n in r.nodes}
+        # Whose quota a pool's GPUs count against (``quota.charged_gpus``): its team's, or its job's team's.
+        # A job's reservation only from the job's submission (``_own_pools``).
+        self.pool_team: dict[str, str | None] = {r.name: r.team for r in self.reservations if r.team}
+        self.res_job = {r.name: r.job for r in self.reservations if not r.team}
+        self.uncharged: set[Gpu] = set()  # held GPUs that do not count against their job's team's quota
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
         self.heap: list[tuple[float, int, int, str, str, int]] = []
@@ -222,21 +227,65 @@ class Simulation:
             if holder is not None and holder != job.spec.name:
                 self._violation(f"GPU {g.label()} held by both {holder} and {job.spec.name}")
                 if self.ledger is not None:
-                    self.ledger.hold(self.jobs[holder].spec.team, -1)
+                    self.ledger.hold(self.jobs[holder].spec.team, -1, g not in self.uncharged)
+                    self.uncharged.discard(g)
             if self.ledger is not None and holder != job.spec.name:
-                self.ledger.hold(job.spec.team, 1)
+                charged = self._charged(job.spec.team, g)
+                self.ledger.hold(job.spec.team, 1, charged)
+                if not charged:
+                    self.uncharged.add(g)
             if g.node in self.down:
                 self._violation(f"{job.spec.name} placed on down node {g.node}")
             if new_placement and self.health[g.node] in ("draining", "cordoned"):
                 self._violation(f"{job.spec.name} placed on {self.health[g.node]} node {g.node}")
             self.owner[g] = job.spec.name
 
+    def _charged(self, team: str | None, g: Gpu) -> bool:
+        """Whether ``g``, held by a job of ``team``, counts against the team's quota: outside every
+        reservation's pool, or on one of its own, or on the pool of a job's reservation whose job
+        is done (the planner sees no reservation there: ``quota.charged_gpus``)."""
+        pool = self.pool_of_node.get(g.node)
+        if pool is None:
+            return True
+        if pool not in self.pool_team:
+            # A job's reservation before the job is submitted: the planner sees the pool but not
+            # whose it is (nobody's); after it is done: no pool at all.
+            res_job = self.res_job.get(pool)
+            return res_job is not None and self.jobs[res_job].terminal is not None
+        return team is not None and self.pool_team[pool] == team
+
+    def _own_pools(self, job: SimJob, active: bool) -> None:
+        """``job`` was submitted (``active``) or is done: the pools of its reservations belong to
+        its team from its submission to its end, as the planner sees them (its snapshot holds
+        neither a job not yet submitted nor the reservations of one that is done); the GPUs held
+        there are charged again by that light."""
+        for r in self.reservations:
+            if r.team or r.job != job.spec.name:
+                continue
+            if active:
+                self.pool_team[r.name] = job.spec.team
+            else:
+                self.pool_team.pop(r.name, None)
+            if self.ledger is None:
+                continue
+            nodes = set(r.nodes)
+            for g, holder in self.owner.items():
+                team = self.jobs[holder].spec.team
+                if g.node not in nodes or team is None:
+                    continue
+                charged = self._charged(team, g)
+                if charged == (g not in self.uncharged):
+                    continue
+                self.ledger.charge(team, 1 if charged else -1)
+                (self.uncharged.discard if charged else self.uncharged.add)(g)
+
     def _unassign(self, job: SimJob, gpus: list[Gpu]) -> None:
         for g in gpus:
             if self.owner.get(g) == job.spec.name:
                 del self.owner[g]
                 if self.ledger is not None:
-                    self.ledger.hold(job.spec.team, -1)
+                    self.ledger.hold(job.spec.team, -1, g not in self.uncharged)
+                    self.uncharged.discard(g)
             job.borrowed.pop(g, None)
 
     def _check_layout(self, job: SimJob) -> None:
@@ -517,6 +566,7 @@ class Simulation:
         job.terminal = "completed"
         job.activity = "done"
         job.end_s = self.now
+        self._own_pools(job, active=False)
         job.op = None
         job.epoch += 1
         self.active_names.discard(job.spec.name)
@@ -548,6 +598,7 @@ class Simulation:
 
     def _on_submit(self, job: SimJob) -> None:
         job.submitted = True
+        self._own_pools(job, active=True)
         job.activity = "waiting"
         job.queued_since = self.now
         self.active_names.add(job.spec.name)
@@ -600,6 +651,7 @@ class Simulation:
                 job.terminal = "cancelled"
                 job.activity = "done"
                 job.end_s = self.now
+                self._own_pools(job, active=False)
                 job.epoch += 1
                 self.active_names.discard(job.spec.name)
                 if self.ledger is not None:
@@ -607,6 +659,7 @@ class Simulation:
                 self._record("cancel", job.spec.name)
             elif not job.submitted:
                 job.terminal = "cancelled"
+                self._own_pools(job, active=False)
         self._request_plan(self.now)
 
     def _node_down(self, node: str) -> None:

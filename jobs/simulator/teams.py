@@ -46,6 +46,8 @@ class TeamLedger:
             if t.parent is not None:
                 self.children[t.parent].append(t.name)
         self.held = dict.fromkeys(self.specs, 0)  # sub-teams included
+        # ... of them, against the quota: not those another reservation lends (``quota.charged_gpus``)
+        self.charged = dict.fromkeys(self.specs, 0)
         self.direct_held = dict.fromkeys(self.specs, 0)
         self.demand = dict.fromkeys(self.specs, 0)  # preferred GPUs of runnable jobs, sub-teams included
         self.usage_gpu_s = dict.fromkeys(self.specs, 0.0)
@@ -68,13 +70,21 @@ class TeamLedger:
 
     # --- kept current by the engine ---------------------------------------------------------------
 
-    def hold(self, team: str | None, gpus: int) -> None:
-        """``gpus`` more (or fewer) GPUs held by a job of ``team``."""
+    def hold(self, team: str | None, gpus: int, charged: bool = True) -> None:
+        """``gpus`` more (or fewer) GPUs held by a job of ``team`` (``charged``: against its quota)."""
         if team is None:
             return
         self.direct_held[team] += gpus
         for t in self.chains[team]:
             self.held[t] += gpus
+            if charged:
+                self.charged[t] += gpus
+
+    def charge(self, team: str, gpus: int) -> None:
+        """``gpus`` GPUs the team already holds count (negative: no longer count) against its
+        quota from now on: their pool changed hands (``Simulation._own_pools``)."""
+        for t in self.chains[team]:
+            self.charged[t] += gpus
 
     def runnable(self, job: SimJob, added: bool) -> None:
         """A job of a team arrived (``added``) or finished: its demand and membership."""
@@ -118,7 +128,7 @@ class TeamLedger:
                 if not sim.quota_invariant:
                     continue
                 sim._violation(
-                    f"team {name} is below its quota ({self.held[name]} of {spec.quota_gpus} guaranteed GPUs) "
+                    f"team {name} is below its quota ({self.charged[name]} of {spec.quota_gpus} guaranteed GPUs) "
                     f"and {who} waits, but {gpus} GPUs other teams hold beyond their quotas were not reclaimed "
                     f"for it from t={since:.1f}s to t={b:.1f}s (more than save time + steps in flight + "
                     f"reclaim_grace_s = {bound_s:.0f}s)",
@@ -126,7 +136,7 @@ class TeamLedger:
 
     def headroom(self, name: str) -> int:
         """GPUs the team may still take within its guarantee: the least along its chain."""
-        return max(0, min(self.specs[t].quota_gpus - self.held[t] for t in self.chains[name]))
+        return max(0, min(self.specs[t].quota_gpus - self.charged[t] for t in self.chains[name]))
 
     def kept(self, sim: Simulation, now: float) -> tuple[dict[str, tuple[int, float, str]], set[str]]:
         """Teams kept from over-quota GPUs now: ``{team: (GPUs, bound_s, waiting job)}``, and the
@@ -156,7 +166,7 @@ class TeamLedger:
                      ) -> tuple[dict[str, tuple[int, float, str]], float]:
         valid_until = float("inf")
         # Over-quota GPUs the planner may reclaim, per victim class floor (rank of the asker).
-        excess = {n: max(0, self.held[n] - t.quota_gpus) for n, t in self.specs.items()}
+        excess = {n: max(0, self.charged[n] - t.quota_gpus) for n, t in self.specs.items()}
         eligible: dict[int, dict[str | None, list[SimJob]]] = {1: {}, 2: {}}
         for name in sim.active_names:
             v = sim.jobs[name]

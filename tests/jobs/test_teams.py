@@ -396,3 +396,23 @@ def test_the_cluster_summary_carries_the_team_bars(operator, researcher, org, ma
     assert vision["bar"] == {"within_pct": 66.67, "borrowed_pct": 33.33, "quota_pct": 66.67, "scale_gpus": 12}
     assert rows["speech"]["bar"]["within_pct"] == 0.0
     assert Node.objects.count() == 1
+
+
+def test_gpus_another_teams_reservation_lends_count_against_no_quota(operator, researcher, org, make_job,
+                                                                     make_nodes):
+    node = make_nodes(racks=1, switches=1, nodes=1, gpus=8)[0]
+    actions.add_team_member(org["vision"], operator, researcher)
+    speech_res = actions.create_reservation(operator, name="speech-window", team=org["speech"], gpus=4,
+                                            start_at=timezone.now() + HOUR)
+    vision_res = actions.create_reservation(operator, name="vision-window", team=org["vision"], gpus=2,
+                                            start_at=timezone.now() + HOUR)
+    lent = make_job(name="on-speechs", dp=4, dp_min=4, dp_max=4)
+    actions.place_job(lent, [(node, i) for i in range(4)], actor="test", reason={}, borrowed_from=speech_res)
+    own = make_job(name="on-visions", dp=2, dp_min=2, dp_max=2)
+    actions.place_job(own, [(node, 4), (node, 5)], actor="test", reason={}, borrowed_from=vision_res)
+    rows = {t["name"]: t for t in api_client(researcher).get("/api/teams/").json()["results"]}
+    # Speech's GPUs go back to speech's pool when reclaimed, not to a quota; vision's own do count.
+    assert (rows["vision"]["gpus_held"], rows["vision"]["gpus_on_loan"]) == (2, 4)
+    assert rows["vision"]["words"] == "2 of 8 guaranteed GPUs; may borrow up to 4"
+    assert (rows["lab"]["gpus_held"], rows["lab"]["gpus_on_loan"]) == (2, 4)
+    assert rows["speech"]["gpus_held"] == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.planner import PlannerConfig, Reservation, plan
+from jobs.planner import PlannerConfig, Reservation, plan, quota
 from jobs.planner.quota import TeamBook, accrue, decayed
 from jobs.planner.snapshot import Snapshot, Team
 from tests.planner.factory import cluster, gpus_on, job
@@ -269,3 +269,52 @@ def test_a_reclaim_stops_borrowers_when_their_shrinks_fall_short():
     stopped = acts(result, "preempt")
     assert set(stopped) == {"v0", "v1"} and all(a.reason.rule == "quota.reclaim" for a in stopped.values())
     assert acts(result, "hold")["s-big"].reason.inputs["cause"] == "waiting_for_release"
+
+
+def test_gpus_another_teams_reservation_lends_count_against_no_quota():
+    teams = [Team("vision", quota_gpus=16), Team("speech", quota_gpus=8), Team("audio", quota_gpus=16)]
+    # speech's reservation (n2, n3) opens in a day, with no critical job yet: it lends its 16 GPUs
+    # to vision.
+    res = Reservation("speech-window", job="", team="speech", gpus=16, start_s=100_000.0,
+                      nodes=("r0s0n2", "r0s0n3"))
+    jobs = [
+        job("v-own", tp=8, dp=1, gpus=gpus_on("r0s0n0"), team="vision", min_run_s=0.0),
+        job("v-lent", tp=8, dp=2, dp_min=1, gpus=gpus_on("r0s0n2", "r0s0n3"), borrowed_from="speech-window",
+            team="vision", min_run_s=0.0),
+        job("a-own", tp=8, dp=1, gpus=gpus_on("r0s0n1"), team="audio", min_run_s=0.0),
+        job("a-new", tp=8, dp=1, team="audio", submit_s=9_000.0),
+    ]
+    result = plan(snap(jobs, teams, [res]), 10_000.0)
+    # vision holds 24 GPUs but only its own 8 against its quota of 16: it is not borrowing, so
+    # audio, below its quota, takes nothing from it (counted, the 16 lent GPUs would make 8 of
+    # v-own's reclaimable: speech's GPUs go back to speech's pool, not to audio).
+    assert not [a for a in result.actions if a.reason.rule == "quota.reclaim"]
+    hold = acts(result, "hold")["a-new"]
+    assert "team audio uses 8 of its 16 guaranteed GPUs" in hold.reason.text
+    # The same GPUs held by speech's own critical job do count against speech's quota.
+    own = [job("s-crit", "critical", tp=8, dp=2, gpus=gpus_on("r0s0n2", "r0s0n3"), team="speech")]
+    book = TeamBook(teams, own, lambda j, gpus: quota.charged_gpus(j.team, gpus, {"r0s0n2": "speech-window",
+                                                                                  "r0s0n3": "speech-window"},
+                                                                   quota.pool_teams([res], own)))
+    assert book.held["speech"] == 16
+    book.add("vision", book.charge(jobs[1], jobs[1].gpus))
+    assert book.held["vision"] == 0
+
+
+def test_a_reclaim_counts_what_it_takes_from_a_team_as_its_quota_counts_it():
+    teams = [Team("vision", quota_gpus=8), Team("speech", quota_gpus=8), Team("audio", quota_gpus=16)]
+    res = Reservation("speech-window", job="", team="speech", gpus=8, start_s=100_000.0, nodes=("r0s0n2",))
+    jobs = [
+        # 16 GPUs, 8 of them lent by speech's pool: preempting it takes 8 of vision's quota, not 16.
+        job("v-mix", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n2"), borrowed_from="speech-window",
+            team="vision", min_run_s=0.0),
+        job("v-recent", tp=8, dp=1, gpus=gpus_on("r0s0n1"), team="vision", run_started_s=9_900.0,
+            min_run_s=3600.0),
+        job("a-own", tp=8, dp=1, gpus=gpus_on("r0s0n3"), team="audio", min_run_s=0.0),
+        job("a-new", tp=8, dp=1, team="audio", submit_s=9_000.0),
+    ]
+    result = plan(snap(jobs, teams, [res]), 10_000.0)
+    # vision is 8 beyond its quota (n0 and n1 count, n2 does not); v-recent is protected.
+    preempt = acts(result, "preempt")["v-mix"]
+    assert preempt.reason.rule == "quota.reclaim" and preempt.graceful
+    assert "team vision holds 16 GPUs, 8 GPUs beyond its quota of 8" in preempt.reason.text

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from jobs.planner.quota import accrue, decayed
+from jobs.planner.snapshot import Gpu
 from jobs.simulator import ScenarioError, Simulation, load_scenario, parse_scenario, simulate
 from jobs.simulator.cli import main
 from jobs.simulator.traces import TraceError, default_options, import_trace, options_with, team_quotas
@@ -420,3 +421,32 @@ def test_victims_give_back_in_whole_chunks_within_their_teams_excess() -> None:
     sim = Simulation(parse_scenario(data), "static")
     sim.quota_invariant = True
     assert any("team c is below its quota" in v for v in sim.run()["invariant_violations"])
+
+
+def test_gpus_another_teams_reservation_lends_are_not_charged_to_the_borrowers_quota() -> None:
+    # What the planner counts (quota.charged_gpus), kept by the engine as GPUs change hands and
+    # as the reservation's job comes (its pool is then its team's) and goes (no pool at all).
+    data = {
+        "name": "lent", "horizon_s": 3600,
+        "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 2, "gpus_per_node": 8},
+        "teams": [{"name": "a", "quota_gpus": 8}, {"name": "b", "quota_gpus": 8}],
+        "jobs": [_job("a1", "a"), _job("b-crit", "b", submit_s=500, priority="critical"), _job("b2", "b")],
+        "reservations": [{"name": "r", "job": "b-crit", "gpus": 8, "start_s": 1000}],
+    }
+    sim = Simulation(parse_scenario(data), "omni")
+    assert sim.ledger is not None
+    pool = [Gpu(sim.reservations[0].nodes[0], i) for i in range(8)]
+    a1, crit, b2 = sim.jobs["a1"], sim.jobs["b-crit"], sim.jobs["b2"]
+    sim._assign(a1, pool[:4], new_placement=True)
+    sim._assign(b2, pool[4:], new_placement=True)
+    # Before b-crit is submitted the pool is nobody's: no one is charged for it (the planner
+    # sees the pool but not its job).
+    assert (sim.ledger.held["a"], sim.ledger.charged["a"], sim.ledger.charged["b"]) == (4, 0, 0)
+    sim._on_submit(crit)
+    assert (sim.ledger.charged["a"], sim.ledger.charged["b"]) == (0, 4)  # now b's own pool
+    crit.terminal = "completed"
+    sim._own_pools(crit, active=False)
+    assert (sim.ledger.charged["a"], sim.ledger.charged["b"]) == (4, 4)  # general capacity now
+    sim._unassign(a1, pool[:4])
+    sim._unassign(b2, pool[4:])
+    assert sim.ledger.held == sim.ledger.charged == {"a": 0, "b": 0}
