@@ -214,7 +214,10 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            # A process's inbox takes one message per group send for all its sockets, and
+            # channels_redis drops what comes beyond ``capacity`` (logged at INFO only): 100 by
+            # default, a second of a busy cluster stream's batches under load (docs/load.md).
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000},
         }
     }
 else:
