@@ -332,14 +332,21 @@ def outage_span(silent: list[Node], watched: int, share: float, now: datetime,
     ``watched`` nodes silent). Remembered in the shared cache (Redis in production: every
     worker's monitor reads it) for ``remember_s`` after it was last seen; None when there is none."""
     store = caches["throttle"]
-    remembered = store.get(OUTAGE_KEY)
+    try:
+        remembered = store.get(OUTAGE_KEY)
+    except Exception:  # Redis away (restarting): judge by what is silent now, as before
+        control_logger.warning("outage memory unreadable; judging by the nodes silent now")
+        remembered = None
     span = None
     if remembered is not None:
         span = tuple(datetime.fromtimestamp(t, tz=UTC) for t in remembered)
     if len(silent) >= max(2, share * watched):
         first = min(node.last_heartbeat_at for node in silent)
         span = (first if span is None else min(span[0], first), now)
-        store.set(OUTAGE_KEY, [t.timestamp() for t in span], timeout=remember_s)
+        try:
+            store.set(OUTAGE_KEY, [t.timestamp() for t in span], timeout=remember_s)
+        except Exception:
+            control_logger.warning("outage memory not written; judging by the nodes silent now")
     return span  # type: ignore[return-value]
 
 

@@ -293,3 +293,24 @@ def test_an_outage_is_one_even_when_the_silent_nodes_cross_the_failure_delay_one
     at = last + timedelta(seconds=fail_after + 0.05 * interval)  # o1 alone past the delay
     suspect, failed = actions.heartbeat_verdicts(at)
     assert not failed and sorted(n.name for n, _ in suspect) == ["o1", "o2", "o3", "o4"]
+
+
+def test_an_unreadable_outage_memory_judges_by_the_nodes_silent_now(boss, settings, monkeypatch, caplog):
+    """Redis away (restarting): the verdict falls back to the nodes silent now, and says so."""
+    from django.core.cache import caches
+
+    from jobs import actions
+    from jobs.models import Node
+
+    def refuse(*args, **kwargs):
+        raise ConnectionError("Error 111 connecting to 127.0.0.1:6379")
+
+    store = caches["throttle"]
+    monkeypatch.setattr(store, "get", refuse)
+    monkeypatch.setattr(store, "set", refuse)
+    _nodes("u1", "u2", "u3")
+    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
+    last = Node.objects.get(name="u1").last_heartbeat_at
+    suspect, failed = actions.heartbeat_verdicts(last + timedelta(seconds=3 * interval))
+    assert not failed and len(suspect) == 3  # still an outage: all three silent at once
+    assert "outage memory" in caplog.text
