@@ -812,3 +812,15 @@ def plotly_js(request: HttpRequest, version: str) -> FileResponse:
     response["Cache-Control"] = "public, max-age=31536000, immutable"
     return response
 
+
+
+def bad_request(request, exception=None):
+    """Django's 400 (a request it refused before any view: too many query or form fields, a
+    malformed cookie or host): in words, as JSON under /api/ like every other API refusal, the
+    default page elsewhere."""
+    from django.views import defaults
+
+    if request.path.startswith("/api/"):
+        reason = str(exception) if exception is not None and str(exception) else "Bad request."
+        return JsonResponse({"detail": reason}, status=400)
+    return defaults.bad_request(request, exception)

@@ -23,3 +23,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("", include("telemetry.urls")),
 ]
+
+handler400 = "jobs.views.bad_request"
