@@ -270,8 +270,21 @@ def failure_of(node: Node, outcome: dict[str, Any]) -> dict[str, Any]:
 def failure_words(job: Job, failure: dict[str, Any]) -> str:
     who = f"rank {failure['rank']}" if failure.get("rank") is not None else "torchrun"
     how = f"signal {failure['signal']}" if failure.get("signal") else f"code {failure.get('code')}"
-    last = next((line for line in reversed(failure.get("tail", "").splitlines()) if line.strip()), "")
-    return f"{job.name}: {who} on {failure['node']} exited with {how}" + (f" ({last.strip()[:200]})" if last else "")
+    last = failure_line(failure.get("tail", ""))
+    return f"{job.name}: {who} on {failure['node']} exited with {how}" + (f" ({last[:200]})" if last else "")
+
+
+def failure_line(tail: str) -> str:
+    """The line that says why a rank died: the exception of its last Python traceback when it
+    printed one (what a process aborted in teardown prints after it, such as "terminate called
+    without an active exception", is not the cause), else its last non-blank line."""
+    lines = tail.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        for line in lines[starts[-1] + 1:]:
+            if line.strip() and not line.startswith((" ", "\t")):
+                return line.strip()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 def _fail_or_restart(job: Job, node: Node, actor: str, outcome: dict[str, Any]) -> None:

@@ -1,0 +1,25 @@
+"""What a failed rank's sentence names as the cause (``agents.failure_line``)."""
+
+from __future__ import annotations
+
+from jobs.actions.agents import failure_line
+
+TRACEBACK = """step 1
+Traceback (most recent call last):
+  File "train.py", line 9, in <module>
+    raise RuntimeError("deliberate failure at step 2 on rank 1")
+RuntimeError: deliberate failure at step 2 on rank 1
+"""
+
+
+def test_the_exception_of_the_last_traceback_not_what_an_abort_printed_after_it():
+    # SIGABRT in the interpreter's teardown (gloo's threads) prints after the traceback.
+    tail = TRACEBACK + "terminate called without an active exception\n"
+    assert failure_line(tail) == "RuntimeError: deliberate failure at step 2 on rank 1"
+    assert failure_line("old\n" + TRACEBACK.replace("deliberate", "earlier") + TRACEBACK) == \
+        "RuntimeError: deliberate failure at step 2 on rank 1"
+
+
+def test_without_a_traceback_the_last_line_said():
+    assert failure_line("loading\nSegmentation fault (core dumped)\n\n") == "Segmentation fault (core dumped)"
+    assert failure_line("") == ""
