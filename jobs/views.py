@@ -813,7 +813,6 @@ def plotly_js(request: HttpRequest, version: str) -> FileResponse:
     return response
 
 
-
 def bad_request(request, exception=None):
     """Django's 400 (a request it refused before any view: too many query or form fields, a
     malformed cookie or host): in words, as JSON under /api/ like every other API refusal, the

@@ -297,8 +297,11 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
     # cross the delay one monitor tick after another, and counting only those past it failed
     # the first ones alone (bench.faults: daphne back after 5-6 s against a 6 s delay).
     silent = [node for node in watched if (now - node.last_heartbeat_at).total_seconds() >= 1.5 * interval]
+    together = len(silent) >= max(2, share * len(watched))
+    if not failed and not together:
+        return suspect, failed  # nothing to judge and no outage to remember: the cache is not read
     patience_s = fail_after * settings.OMNI_HEARTBEAT_OUTAGE_PATIENCE
-    span = outage_span(silent, len(watched), share, now, patience_s + fail_after)
+    span = outage_span(silent if together else [], now, patience_s + fail_after)
     if span is None or not failed:
         return suspect, failed
     began, seen = span
@@ -322,15 +325,15 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
     return suspect, failed
 
 
-OUTAGE_KEY = "heartbeat:outage-began"
+OUTAGE_KEY = "heartbeat:outage"
 
 
-def outage_span(silent: list[Node], watched: int, share: float, now: datetime,
-                remember_s: float) -> tuple[datetime, datetime] | None:
+def outage_span(together: list[Node], now: datetime, remember_s: float) -> tuple[datetime, datetime] | None:
     """The control-plane outage now going on, or just over: (when it began, the earliest last
-    heartbeat of the nodes silent together; when it was last seen, at least ``share`` of the
-    ``watched`` nodes silent). Remembered in the shared cache (Redis in production: every
-    worker's monitor reads it) for ``remember_s`` after it was last seen; None when there is none."""
+    heartbeat of the nodes silent together; when it was last seen). ``together``: the nodes
+    silent together now, if they are enough to be an outage (else empty). Remembered in the
+    shared cache (Redis in production: every worker's monitor reads it) for ``remember_s`` after
+    it was last seen; None when there is none."""
     store = caches["throttle"]
     try:
         remembered = store.get(OUTAGE_KEY)
@@ -339,15 +342,16 @@ def outage_span(silent: list[Node], watched: int, share: float, now: datetime,
         remembered = None
     span = None
     if remembered is not None:
-        span = tuple(datetime.fromtimestamp(t, tz=UTC) for t in remembered)
-    if len(silent) >= max(2, share * watched):
-        first = min(node.last_heartbeat_at for node in silent)
+        began_ts, seen_ts = remembered
+        span = (datetime.fromtimestamp(began_ts, tz=UTC), datetime.fromtimestamp(seen_ts, tz=UTC))
+    if together:
+        first = min(node.last_heartbeat_at for node in together)
         span = (first if span is None else min(span[0], first), now)
         try:
             store.set(OUTAGE_KEY, [t.timestamp() for t in span], timeout=remember_s)
         except Exception:
             control_logger.warning("outage memory not written; judging by the nodes silent now")
-    return span  # type: ignore[return-value]
+    return span
 
 
 def forget_outage() -> None:

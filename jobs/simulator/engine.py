@@ -43,6 +43,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Plan
 from jobs.planner.entitlements import is_active
 from jobs.planner.layout import accum_steps, batch_divides, layout_problems, replicas_of
+from jobs.planner.quota import charged_gpus
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import (
     Command,
@@ -125,10 +126,10 @@ class Simulation:
         self.decide = planner_for(policy, scenario)
         self.state_version = 0
         self.pool_of_node = {n: r.name for r in self.reservations for n in r.nodes}
-        # Whose quota a pool's GPUs count against (``quota.charged_gpus``): its team's, or its job's team's.
-        # A job's reservation only from the job's submission (``_own_pools``).
-        self.pool_team: dict[str, str | None] = {r.name: r.team for r in self.reservations if r.team}
-        self.res_job = {r.name: r.job for r in self.reservations if not r.team}
+        # The pools as the planner's snapshot shows them, for ``quota.charged_gpus``: a team's
+        # reservation is its team's; a job's is nobody's until the job is submitted, then its
+        # team's, and gone once the job is done (``_own_pools``).
+        self.pool_team: dict[str, str | None] = {r.name: r.team or None for r in self.reservations}
         self.uncharged: set[Gpu] = set()  # held GPUs that do not count against their job's team's quota
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
@@ -241,18 +242,9 @@ class Simulation:
             self.owner[g] = job.spec.name
 
     def _charged(self, team: str | None, g: Gpu) -> bool:
-        """Whether ``g``, held by a job of ``team``, counts against the team's quota: outside every
-        reservation's pool, or on one of its own, or on the pool of a job's reservation whose job
-        is done (the planner sees no reservation there: ``quota.charged_gpus``)."""
-        pool = self.pool_of_node.get(g.node)
-        if pool is None:
-            return True
-        if pool not in self.pool_team:
-            # A job's reservation before the job is submitted: the planner sees the pool but not
-            # whose it is (nobody's); after it is done: no pool at all.
-            res_job = self.res_job.get(pool)
-            return res_job is not None and self.jobs[res_job].terminal is not None
-        return team is not None and self.pool_team[pool] == team
+        """Whether ``g``, held by a job of ``team``, counts against the team's quota, as the
+        planner counts it (``quota.charged_gpus`` over the pools its snapshot shows)."""
+        return charged_gpus(team, (g,), self.pool_of_node, self.pool_team) == 1
 
     def _own_pools(self, job: SimJob, active: bool) -> None:
         """``job`` was submitted (``active``) or is done: the pools of its reservations belong to
