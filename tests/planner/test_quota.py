@@ -54,6 +54,16 @@ def test_among_borrowers_the_team_with_least_past_usage_per_weight_gets_idle_gpu
     assert set(acts(result, "place")) == {"b1"}
 
 
+def test_within_their_quotas_jobs_are_served_in_the_order_of_their_wait_not_by_fair_share():
+    # Both teams start within their quotas: fair share has nothing to arbitrate, so the job
+    # that has waited longer gets the one free node although its team has had more of late.
+    teams = [Team("a", quota_gpus=16, usage_gpu_s=9000.0), Team("b", quota_gpus=16, usage_gpu_s=10.0)]
+    full = job("full", tp=8, dp=3, gpus=gpus_on(*ALL[:3]), team=None)
+    result = plan(snap([full, job("a1", tp=8, team="a", submit_s=0.0), job("b1", tp=8, team="b", submit_s=50.0)],
+                       teams), 1000.0)
+    assert set(acts(result, "place")) == {"a1"}
+
+
 def test_a_team_never_holds_more_than_its_quota_and_borrowing_limit():
     teams = [Team("vision", quota_gpus=8, borrow_limit_gpus=8)]
     running = job("v1", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision")
