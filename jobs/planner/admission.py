@@ -12,6 +12,7 @@ A job that can never fit the cluster (it shrank under it) is held first, saying 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -91,15 +92,37 @@ def admit_waiting(state: PlanningPass) -> None:
                             reservation=dormant.name, next_start_s=None if t == INFINITY else t)
                 continue
             key = queue_key(job, state.now, state.config, state._tier(job))
-            if state.teams:  # within a class: a team within its quota first, then the least past usage
-                standing = quota.queue_rank(state, job)
-                if standing[0]:  # a borrower does not age (quota.ages)
-                    key = (key[0], key[2]) + key[2:]
-                key = key[:3] + standing + key[3:]
-            waiting.append((key, job))
-    waiting.sort(key=lambda kv: kv[0])
-    for _, job in waiting:
+            waiting.append((_team_key(state, job, key) if state.teams else key, job))
+    if not state.teams:
+        waiting.sort(key=lambda kv: kv[0])
+        for _, job in waiting:
+            state._admit(job)
+        return
+    # Who would reclaim what a job of another team starts with beyond its quota.
+    state.quota_waiters = sorted(
+        (PRIORITY_RANK[job.priority], job.team, job.dp_min * job.tp * job.pp, job.name)
+        for _, job in waiting if job.team is not None and not job.holdings)
+    # A team's standing changes as its jobs start: one that reaches its quota in the pass makes
+    # its next jobs borrowers, which go behind the work still within its quota (rule 9), not
+    # ahead of it where the first sort put them (a job placed in a pass is no victim in it).
+    heap = [(key, i, job) for i, (key, job) in enumerate(waiting)]
+    heapq.heapify(heap)
+    while heap:
+        key, i, job = heapq.heappop(heap)
+        now_key = _team_key(state, job, queue_key(job, state.now, state.config, state._tier(job)))
+        if now_key > key:
+            heapq.heappush(heap, (now_key, i, job))
+            continue
         state._admit(job)
+
+
+def _team_key(state: PlanningPass, job: Job, key: tuple) -> tuple:
+    """``key`` with rule 9's standing: within a class, a team within its quota first, then the
+    least past usage; a borrower does not age (``quota.ages``)."""
+    standing = quota.queue_rank(state, job)
+    if standing[0]:
+        key = (key[0], key[2]) + key[2:]
+    return key[:3] + standing + key[3:]
 
 
 def admit(state: PlanningPass, job: Job) -> None:
@@ -119,6 +142,9 @@ def admit(state: PlanningPass, job: Job) -> None:
                         team=job.team, gpus_min=dps[-1] * rep, gpus_allowed=int(min(cap, 1 << 30)))
             return
         dps = allowed
+        # Within its quota, no bigger than the quota while another team's owed work waits.
+        room = quota.room_before_reclaim(state, job)
+        dps = [d for d in dps if d * rep <= room] or dps
     preferred = dps[0]
     ages = quota.ages(state, job)
     rank = effective_rank(job, state.now, state.config) if ages else PRIORITY_RANK[job.priority]

@@ -271,6 +271,28 @@ def size_cap(state: PlanningPass, job: Job) -> float:
     return len(job.holdings) + book.may_use(job.team)
 
 
+def room_before_reclaim(state: PlanningPass, job: Job) -> float:
+    """The most GPUs a job its team's quota covers may start with (``inf``: no bound): its
+    team's room below its quota while a waiting job of another team below its quota, of its
+    class or higher, comes after it in this pass (``PlanningPass.quota_waiters``). What it took
+    beyond would be the other's to reclaim, at a save and a restart, and not before the next
+    pass: a job placed in a pass is no victim in it, so the other team would be kept from GPUs
+    for as long as no event comes."""
+    book = state.teams
+    if not book or job.team is None:
+        return INFINITY
+    room = book.below_quota_by(job.team)
+    if room < job.dp_min * job.tp * job.pp:
+        return INFINITY  # a borrower already: its place is fair share's
+    rank = PRIORITY_RANK[job.priority]
+    for other_rank, team, need, name in state.quota_waiters:
+        if other_rank > rank:
+            break
+        if team != job.team and name not in state.acted and book.below_quota_by(team) >= need:
+            return room
+    return INFINITY
+
+
 def reclaim_candidates(state: PlanningPass, job: Job, entries: list) -> Iterator:
     """Victim entries a job within its team's quota may take GPUs from: running jobs of its class
     or lower, of teams holding more than their quota (or of no team), unrelated to its own, not

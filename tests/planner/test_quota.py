@@ -64,6 +64,35 @@ def test_within_their_quotas_jobs_are_served_in_the_order_of_their_wait_not_by_f
     assert set(acts(result, "place")) == {"a1"}
 
 
+def test_a_job_starts_within_its_quota_while_another_teams_owed_work_waits():
+    # Two nodes free. a1 (first: it has waited longer) could take both, but team a's quota is 8
+    # and b1, of a team below its quota, waits behind it: what a1 took beyond would be b1's to
+    # reclaim, a save and a restart later, and not in this pass. So a1 starts on 8, b1 on 8.
+    teams = [Team("a", quota_gpus=8), Team("b", quota_gpus=8)]
+    full = job("full", tp=8, dp=2, gpus=gpus_on(*ALL[:2]), team=None)
+    a1 = job("a1", tp=8, dp=2, dp_min=1, dp_max=2, global_batch=128, team="a", submit_s=0.0)
+    b1 = job("b1", tp=8, team="b", submit_s=50.0)
+    result = plan(snap([full, a1, b1], teams), 1000.0)
+    placed = acts(result, "place")
+    assert set(placed) == {"a1", "b1"} and len(placed["a1"].gpus_after) == 8
+    assert not acts(result, "shrink")
+    # Alone, a1 borrows the idle node: nobody is owed it.
+    alone = acts(plan(snap([full, a1], teams), 1000.0), "place")
+    assert len(alone["a1"].gpus_after) == 16
+
+
+def test_a_job_whose_team_reaches_its_quota_in_the_pass_waits_behind_work_within_its_quota():
+    # a1, a2 and b1 all stand within their quotas when the pass sorts them (by wait). Once a1
+    # starts, team a is at its quota of 8 and a2 is a borrower: it goes behind b1, which starts.
+    teams = [Team("a", quota_gpus=8), Team("b", quota_gpus=8)]
+    full = job("full", tp=8, dp=2, gpus=gpus_on(*ALL[:2]), team=None)
+    waiting = [job("a1", tp=8, team="a", submit_s=0.0), job("a2", tp=8, team="a", submit_s=10.0),
+               job("b1", tp=8, team="b", submit_s=20.0)]
+    result = plan(snap([full, *waiting], teams), 1000.0)
+    assert set(acts(result, "place")) == {"a1", "b1"}
+    assert "team a uses 8 of its 8 guaranteed GPUs" in acts(result, "hold")["a2"].reason.text
+
+
 def test_a_team_never_holds_more_than_its_quota_and_borrowing_limit():
     teams = [Team("vision", quota_gpus=8, borrow_limit_gpus=8)]
     running = job("v1", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision")
