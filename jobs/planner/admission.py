@@ -66,7 +66,7 @@ def queue_tier(state: PlanningPass, job: Job) -> int:
 
 def admit_waiting(state: PlanningPass) -> None:
     """Hold jobs in an idle phase or between windows; admit the others in queue order."""
-    waiting: list[tuple[tuple, Job]] = []
+    waiting: list[tuple[tuple, int, tuple, Job]] = []  # (key, arrival, queue_key, job)
     lost_nodes = {n for n, node in state.nodes.items() if node.health in LOST_HEALTH}
     for job in state.jobs.values():
         if job.name in state.busy or job.name in state.acted:
@@ -91,27 +91,21 @@ def admit_waiting(state: PlanningPass) -> None:
                             f"one opens at {state._when(t)}.",
                             reservation=dormant.name, next_start_s=None if t == INFINITY else t)
                 continue
-            key = queue_key(job, state.now, state.config, state._tier(job))
-            waiting.append((_team_key(state, job, key) if state.teams else key, job))
-    if not state.teams:
-        waiting.sort(key=lambda kv: kv[0])
-        for _, job in waiting:
-            state._admit(job)
-        return
-    # Who would reclaim what a job of another team starts with beyond its quota.
-    state.quota_waiters = sorted(
-        (PRIORITY_RANK[job.priority], job.team, job.dp_min * job.tp * job.pp, job.name)
-        for _, job in waiting if job.team is not None and not job.holdings)
-    # A team's standing changes as its jobs start: one that reaches its quota in the pass makes
-    # its next jobs borrowers, which go behind the work still within its quota (rule 9), not
-    # ahead of it where the first sort put them (a job placed in a pass is no victim in it).
-    heap = [(key, i, job) for i, (key, job) in enumerate(waiting)]
-    heapq.heapify(heap)
-    while heap:
-        key, i, job = heapq.heappop(heap)
-        now_key = _team_key(state, job, queue_key(job, state.now, state.config, state._tier(job)))
-        if now_key > key:
-            heapq.heappush(heap, (now_key, i, job))
+            base = queue_key(job, state.now, state.config, state._tier(job))
+            waiting.append((_team_key(state, job, base) if state.teams else base, len(waiting), base, job))
+    if state.teams:  # who would reclaim what a job of another team starts with beyond its quota
+        state.quota_waiters = sorted(
+            (PRIORITY_RANK[job.priority], job.team, job.dp_min * job.tp * job.pp, job.name)
+            for _, _, _, job in waiting if job.team is not None and not job.holdings)
+    # With teams a team's standing changes as its jobs start: one that reaches its quota in the
+    # pass makes its next jobs borrowers, which go behind the work still within its quota (rule
+    # 9), not ahead of it where the first ordering put them (a job placed in a pass is no victim
+    # in it). Without teams the keys never change and this is a plain sorted walk.
+    heapq.heapify(waiting)
+    while waiting:
+        key, i, base, job = heapq.heappop(waiting)
+        if state.teams and (now_key := _team_key(state, job, base)) > key:
+            heapq.heappush(waiting, (now_key, i, base, job))
             continue
         state._admit(job)
 

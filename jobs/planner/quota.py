@@ -240,10 +240,14 @@ def queue_rank(state: PlanningPass, job: Job) -> tuple[int, float]:
     book = state.teams
     if not book:
         return (0, 0.0)
-    need = job.dp_min * job.tp * job.pp
-    if job.team is not None and book.below_quota_by(job.team) >= need:
+    if covered(book, job):
         return (0, 0.0)
     return (1, book.fair_share(job.team))
+
+
+def covered(book: TeamBook, job: Job) -> bool:
+    """Whether ``job``'s team stays within its quota if the job starts at its smallest size."""
+    return book.below_quota_by(job.team) >= job.dp_min * job.tp * job.pp
 
 
 def ages(state: PlanningPass, job: Job) -> bool:
@@ -281,9 +285,9 @@ def room_before_reclaim(state: PlanningPass, job: Job) -> float:
     book = state.teams
     if not book or job.team is None:
         return INFINITY
-    room = book.below_quota_by(job.team)
-    if room < job.dp_min * job.tp * job.pp:
+    if not covered(book, job):
         return INFINITY  # a borrower already: its place is fair share's
+    room = book.below_quota_by(job.team)
     rank = PRIORITY_RANK[job.priority]
     for other_rank, team, need, name in state.quota_waiters:
         if other_rank > rank:
