@@ -386,6 +386,8 @@ CLASS_WORDS = (("critical", "critical"), ("regular", "regular"), ("best_effort",
 def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, free_anywhere: int, rank: int) -> None:
     """The cheap hold for the tail of a long queue: nothing anywhere could start it."""
     state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    if not state.explain:
+        return
     need = preferred * rep
     text = capacity_sentence(state, job, preferred, free_anywhere, rank)
     state.actions.append(Action(
@@ -399,6 +401,8 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
 def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
     """Hold a job that cannot start now, with the reasons in plain words."""
     state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    if not state.explain:
+        return
     need = preferred * rep
     min_need = job.dp_min * rep
     text = capacity_sentence(state, job, preferred, free_total, rank, refused_loan_notes(state, job))

@@ -50,6 +50,10 @@ class PlannerConfig:
     min_free_disk_bytes: int = 2 * 1024**3
     #: Teams' past usage decays with this half-life for fair share among borrowers (a week).
     fair_share_half_life_s: float = 604800.0
+    #: Whether a pass words its ``hold`` actions. The simulator turns it off when it records no
+    #: events: it reads a hold only for its event log, and a long queue's holds, each with its
+    #: sentence, were most of a replay's time. Every other decision is the same either way.
+    explain_holds: bool = True
 
     def with_overrides(self, overrides: dict[str, Any]) -> PlannerConfig:
         """A copy with scenario ``policy`` keys applied."""

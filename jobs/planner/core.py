@@ -86,6 +86,7 @@ class PlanningPass:
         self.now = float(now_s)
         self.config = config
         self.kill = config.reclaim_mode == "kill"
+        self.explain = config.explain_holds
         self.jobs: dict[str, Job] = {
             j.name: j for j in sorted(snapshot.jobs, key=lambda j: j.name) if j.phase not in TERMINAL_PHASES
         }
@@ -205,9 +206,15 @@ class PlanningPass:
         return action
 
     def _hold(self, job: Job, cause: str, text: str, **inputs: object) -> None:
-        """Record that ``job`` keeps waiting, with the ``cause`` and a sentence saying why."""
-        inputs = {"cause": cause, **inputs}
-        self._emit("hold", job, job.gpus, Reason("hold", text, inputs))
+        """Record that ``job`` keeps waiting, with the ``cause`` and a sentence saying why
+        (nothing, with ``explain_holds`` off: a hold changes nothing in the pass)."""
+        if not self.explain:
+            return
+        reason = Reason("hold", text, {"cause": cause, **inputs})
+        if job.holdings:
+            self._emit("hold", job, job.gpus, reason)
+        else:  # what ``_emit`` would record for a job holding nothing, without its bookkeeping
+            self.actions.append(Action(kind="hold", job=job.name, reason=reason, global_batch=job.global_batch))
 
     def _when(self, t: float) -> str:
         """A time for a reason's sentence, as the planner's clock reads (``wording.fmt_t``)."""
@@ -235,7 +242,9 @@ class PlanningPass:
 
     def _dormant_between_windows(self, job: Job) -> Reservation | None:
         """The recurring reservation a critical job waits for, if it is between windows."""
-        resv = self.res_of_job.get(job.name, ())
+        resv = self.res_of_job.get(job.name)
+        if not resv:
+            return None
         recurring = [r for r in resv if r.period_s]
         if not recurring or any(is_active(r, self.now) for r in resv):
             return None

@@ -190,7 +190,7 @@ class Job:
     @property
     def gpus(self) -> tuple[Gpu, ...]:
         """The GPUs held now, in replica order."""
-        return tuple(h.gpu for h in self.holdings)
+        return tuple(h.gpu for h in self.holdings) if self.holdings else ()
 
     @property
     def remaining_steps(self) -> int:

@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from jobs.planner import plan as omni_plan
@@ -99,6 +100,8 @@ class Simulation:
         self.big = len(scenario.jobs) > 500
         self.coalesce_s = coalesce_s if coalesce_s is not None else (60.0 if self.big else 0.0)
         self.config: PlannerConfig = scenario.planner_config("kill" if policy == "kill_preempt" else "graceful")
+        if not record_events:  # holds are read only for the event log (``PlannerConfig.explain_holds``)
+            self.config = replace(self.config, explain_holds=False)
         self.horizon = scenario.horizon_s
         self.nodes: dict[str, Node] = {n.name: n for n in scenario.nodes}
         self.node_order = [n.name for n in scenario.nodes]
@@ -709,7 +712,9 @@ class Simulation:
         # Like an agent's heartbeat, progress between milestones is reported at most every
         # SNAPSHOT_PROGRESS_S; any state change refreshes it at once.
         if (job.cached is not None and job.cached_version == job.version
-                and self.now - job.cached_at < SNAPSHOT_PROGRESS_S):
+                and (self.now - job.cached_at < SNAPSHOT_PROGRESS_S
+                     # Progress moves only while computing: a waiting job's view stays as it is.
+                     or (job.activity != "computing" and job.cached.committed_steps == job.committed))):
             return job.cached
         live = job.live_committed(self.now)
         spec = job.spec

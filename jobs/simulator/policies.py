@@ -62,15 +62,18 @@ class StaticPass(PlanningPass):
         if job.holdings:
             super()._admit(job)
             return
-        entitled = job.priority == "critical" and self._entitled_now(job)
-        kind = "recover" if job.phase == "recovering" else "place"
-        anchor = sorted({g.node for g in job.gpus})
-        if entitled and self._try_place(job, job.dp, 0, [], anchor, kind, entitled, own_pool_only=True):
-            return
-        if self._try_place(job, job.dp, 0, [], anchor, kind, entitled):
-            return
-        self._hold(job, "capacity", f"Static policy: waits for {job.dp * rep} GPUs at its preferred size; "
-                   f"{self._free_total(self._zones_for(job, job.dp))} are free.", gpus_needed=job.dp * rep)
+        # Fewer GPUs free in every zone it may use than its size: it waits (the cheap test a
+        # long queue's tail needs; ``_try_place`` would find the same).
+        if self._free_total(self._zones_for(job, job.dp)) >= job.dp * rep:
+            entitled = job.priority == "critical" and self._entitled_now(job)
+            kind = "recover" if job.phase == "recovering" else "place"
+            if entitled and self._try_place(job, job.dp, 0, [], [], kind, entitled, own_pool_only=True):
+                return
+            if self._try_place(job, job.dp, 0, [], [], kind, entitled):
+                return
+        if self.explain:
+            self._hold(job, "capacity", f"Static policy: waits for {job.dp * rep} GPUs at its preferred size; "
+                       f"{self._free_total(self._zones_for(job, job.dp))} are free.", gpus_needed=job.dp * rep)
 
     def _try_victims(self, *args: object, **kwargs: object) -> bool:
         return False

@@ -146,7 +146,7 @@ EVENT_FIELDS = {
     "drain": ("node",),
     "cancel": ("job",),
 }
-POLICY_KEYS = {f.name for f in fields(PlannerConfig)} - {"reclaim_mode", "wall_clock_zone"}
+POLICY_KEYS = {f.name for f in fields(PlannerConfig)} - {"reclaim_mode", "wall_clock_zone", "explain_holds"}
 
 
 def _keys(obj: Any, where: str, allowed: set[str], required: tuple[str, ...] = ()) -> dict[str, Any]:

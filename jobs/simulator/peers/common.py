@@ -299,6 +299,8 @@ class PeerPass:
     def hold(self, job: Job, cause: str, text: str, **inputs: object) -> None:
         """The job keeps waiting, saying why; its class counts as blocked for this pass."""
         self.blocked_rank = min(self.blocked_rank, PRIORITY_RANK[job.priority])
+        if not self.config.explain_holds:
+            return
         dp = job.current_dp
         accum = accum_steps(job, dp) if dp else None
         self.actions.append(Action(
