@@ -97,17 +97,65 @@ def admit_waiting(state: PlanningPass) -> None:
         state.quota_waiters = sorted(
             (PRIORITY_RANK[job.priority], job.team, job.dp_min * job.tp * job.pp, job.name)
             for _, _, _, job in waiting if job.team is not None and not job.holdings)
+    if not state.teams:  # the keys never change: a plain sorted walk
+        waiting.sort()
+        if state.explain:
+            for _, _, _, job in waiting:
+                state._admit(job)
+            return
+        for key, _, _, job in waiting:
+            hopeless = _hopeless_test(state, key, job)
+            if hopeless is not None:
+                need, victim_key, rank = hopeless
+                if need > _free_now(state) and (victim_key is None or state.victim_failed_at.get(victim_key, 1 << 30) <= need):
+                    # What ``admit`` finds for it: fewer GPUs free than its smallest size, none
+                    # coming back, and no victims (best effort, or a search for as many that
+                    # already failed in this pass). It waits; no hold is worded.
+                    state.capacity_blocked_rank = min(state.capacity_blocked_rank, rank)
+                    continue
+            state._admit(job)
+        return
     # With teams a team's standing changes as its jobs start: one that reaches its quota in the
     # pass makes its next jobs borrowers, which go behind the work still within its quota (rule
     # 9), not ahead of it where the first ordering put them (a job placed in a pass is no victim
-    # in it). Without teams the keys never change and this is a plain sorted walk.
+    # in it).
     heapq.heapify(waiting)
     while waiting:
         key, i, base, job = heapq.heappop(waiting)
-        if state.teams and (now_key := _team_key(state, job, base)) > key:
+        if (now_key := _team_key(state, job, base)) > key:
             heapq.heappush(waiting, (now_key, i, base, job))
             continue
         state._admit(job)
+
+
+def _hopeless_test(state: PlanningPass, key: tuple, job: Job) -> tuple[int, tuple | None, int] | None:
+    """For a waiting job ``admit`` would hold at once when too few GPUs are free (no GPUs held or
+    lent, no reservation, not recovering or critical, no teams): (its smallest size in GPUs, the key of
+    a failed victim search that would also fail for it, or None when it takes no victims, and its
+    class rank). None for any other job, which ``admit`` decides in full."""
+    if (key[0] != TIER_OTHER or job.holdings or job.parked or job.phase not in WAITING_PHASES
+            or job.name in state.res_of_job):
+        return None
+    sizes = valid_dps(job)  # ascending: ``admit`` tries the smallest last
+    if not sizes:
+        return None
+    rank = key[1]  # queue_key's effective rank (``admit``'s without teams)
+    prio = PRIORITY_RANK[job.priority]
+    victim_key = None
+    if rank < PRIORITY_RANK["best_effort"] and state.takes_victims:
+        aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+        victim_key = (prio, rank, False, aged)
+    return sizes[0] * job.tp * job.pp, victim_key, prio
+
+
+def _free_now(state: PlanningPass) -> float:
+    """At most how many GPUs a job with no reservation of its own could use now: every zone's free
+    GPUs, or infinity while some are on their way back where it may use them (general capacity,
+    or a pool with free GPUs left: ``harvest.zones_open_to`` offers no other)."""
+    totals = state.view.zone_total
+    if any(n and (z is None or totals.get(z, 0) > 0) for z, n in state.soon_free.items()):
+        return INFINITY
+    return sum(totals.values())
 
 
 def _team_key(state: PlanningPass, job: Job, key: tuple) -> tuple:

@@ -81,6 +81,9 @@ def plan(snapshot: Snapshot, now_s: float, config: PlannerConfig | None = None) 
 class PlanningPass:
     """The mutable working state of one pass; build it, call ``run()`` once."""
 
+    #: Whether a waiting job may take GPUs from running ones (``_try_victims``).
+    takes_victims = True
+
     def __init__(self, snapshot: Snapshot, now_s: float, config: PlannerConfig) -> None:
         self.snapshot = snapshot
         self.now = float(now_s)

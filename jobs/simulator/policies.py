@@ -26,7 +26,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.core import TIER_OTHER, PlanningPass
 from jobs.planner.decisions import Plan
 from jobs.planner.rhythm import step_time_at
-from jobs.planner.snapshot import Job, Snapshot
+from jobs.planner.snapshot import WAITING_PHASES, Job, Snapshot
 
 if TYPE_CHECKING:
     from jobs.simulator.scenario import JobSpec, Scenario
@@ -43,6 +43,8 @@ PlanFunction = Callable[[Snapshot, float, PlannerConfig], Plan]
 
 class StaticPass(PlanningPass):
     """A planning pass restricted to the ``static`` baseline's behaviour."""
+
+    takes_victims = False
 
     def _zones_for(self, job: Job, dp: int) -> dict[str | None, int | None]:
         zones: dict[str | None, int | None] = {None: None}
@@ -77,6 +79,33 @@ class StaticPass(PlanningPass):
 
     def _try_victims(self, *args: object, **kwargs: object) -> bool:
         return False
+
+    def _queue(self) -> None:
+        # With no hold to word, a pass where no waiting job could start is skipped: static takes
+        # nothing from others, so a job holding no GPUs starts only at its preferred size on
+        # GPUs free (or coming back) in general capacity and its own pools (the long queue of a
+        # full week: most passes have too few of those for any of it). An owner between its
+        # windows only waits; jobs a fault left holding GPUs still go through the queue.
+        if self.explain:
+            super()._queue()
+            return
+        totals, soon = self.view.zone_total, self.soon_free
+        general = totals.get(None, 0) + soon.get(None, 0)
+        for job in self.jobs.values():
+            if job.name in self.busy:
+                continue
+            waiting = job.phase in WAITING_PHASES or job.phase == "recovering"
+            if job.holdings:
+                if waiting or any(h.gpu.node not in self.nodes or self.nodes[h.gpu.node].health == "failed"
+                                  for h in job.holdings):
+                    super()._queue()
+                    return
+            elif waiting:
+                avail = general + sum(totals.get(r.name, 0) + soon.get(r.name, 0)
+                                      for r in self.res_of_job.get(job.name, ()))
+                if job.dp * job.tp * job.pp <= avail and self._dormant_between_windows(job) is None:
+                    super()._queue()
+                    return
 
     def _reservations(self) -> None:
         # Summarise pools (for zones) but never reclaim: nothing is ever lent.

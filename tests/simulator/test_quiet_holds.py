@@ -1,0 +1,64 @@
+"""A replay that records no events asks the planner not to word its holds
+(``PlannerConfig.explain_holds``), and the fast paths that skips (a long queue's tail held without
+a search) must decide exactly what the worded pass decides: same figures, same jobs, every policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+
+from jobs.simulator import POLICIES, ScenarioError, parse_scenario, simulate
+from tests.simulator.test_sim_properties import scenarios
+
+
+def _figures(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "events" and "wall" not in k}
+
+
+def queued_scenario(seed: int) -> dict:
+    """32 GPUs and a queue of 90 jobs of every class and shape: most passes hold a long tail."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(90):
+        tp = rng.choice((1, 1, 2, 4, 8))
+        dp = rng.choice((1, 1, 2, 4)) if tp < 8 else rng.choice((1, 2))
+        jobs.append({
+            "name": f"j{i:02d}", "priority": rng.choice(("regular", "best_effort", "best_effort")),
+            "submit_s": rng.randrange(0, 40_000), "tp": tp, "dp": dp, "dp_min": max(1, dp // 2),
+            "dp_max": dp * 2, "global_batch": 16 * dp * 2, "micro_batch": 2,
+            "total_steps": rng.randrange(200, 3000), "step_s": rng.uniform(1.0, 4.0),
+            "checkpoint": {"every_steps": 100, "save_s": rng.randrange(5, 40), "load_s": rng.randrange(5, 60)},
+            "min_run_s": rng.choice((0, 1800)),
+        })
+    jobs.append({"name": "crit", "priority": "critical", "tp": 8, "dp": 1, "global_batch": 64, "micro_batch": 8,
+                 "total_steps": 1_000_000, "step_s": 2.0, "checkpoint": {"every_steps": 200, "save_s": 20, "load_s": 30}})
+    return {
+        "name": f"queued-{seed}", "horizon_s": 86_400, "seed": seed,
+        "cluster": {"racks": 1, "switches_per_rack": 2, "nodes_per_switch": 2, "gpus_per_node": 8},
+        "jobs": jobs,
+        "reservations": [{"name": "crit-hourly", "job": "crit", "gpus": 8, "period_s": 3600, "active_s": 1800}],
+        "events": [{"at_s": 30_000, "kind": "node_down", "node": "r0s1n1"}, {"at_s": 34_000, "kind": "node_up", "node": "r0s1n1"}],
+    }
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_long_queue_is_decided_the_same_with_holds_worded_or_not(policy: str) -> None:
+    scenario = parse_scenario(queued_scenario(7))
+    quiet = simulate(scenario, policy)
+    worded = simulate(scenario, policy, record_events=True)
+    assert any(e["kind"] == "hold" for e in worded["events"])  # the queue did wait
+    assert _figures(quiet) == _figures(worded)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(scenarios())
+def test_random_scenarios_are_decided_the_same_with_holds_worded_or_not(data: dict) -> None:
+    try:
+        scenario = parse_scenario(data)
+    except ScenarioError:
+        assume(False)
+        return
+    for policy in ("omni", "static", "kill_preempt"):
+        assert _figures(simulate(scenario, policy)) == _figures(simulate(scenario, policy, record_events=True)), policy
