@@ -68,31 +68,36 @@ def admit_waiting(state: PlanningPass) -> None:
     """Hold jobs in an idle phase or between windows; admit the others in queue order."""
     waiting: list[tuple[tuple, int, tuple, Job]] = []  # (key, arrival, queue_key, job)
     lost_nodes = {n for n, node in state.nodes.items() if node.health in LOST_HEALTH}
+    busy, acted = state.busy, state.acted
     for job in state.jobs.values():
-        if job.name in state.busy or job.name in state.acted:
+        if job.name in busy or job.name in acted:
             continue
-        has_lost = bool(lost_nodes) and bool(job.holdings) and any(
-            h.gpu.node in lost_nodes or h.gpu.node not in state.nodes for h in job.holdings
-        )
-        if job.phase in WAITING_PHASES or job.phase == "recovering" or has_lost:
-            if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
-                state._hold(job, "idle_phase",
-                            f"Its idle phase (evaluation or data loading) lasts until {state._when(job.idle_until_s)}; "
-                            f"its {len(job.parked)} GPUs are lent to other jobs meanwhile and come back by then.",
-                            idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
+        if job.holdings:
+            has_lost = bool(lost_nodes) and any(
+                h.gpu.node in lost_nodes or h.gpu.node not in state.nodes for h in job.holdings
+            )
+            if not has_lost and job.phase not in WAITING_PHASES and job.phase != "recovering":
                 continue
-            if not job.holdings and not job.parked and hold_if_cannot_fit(state, job):
-                continue
-            dormant = state._dormant_between_windows(job)
-            if dormant is not None and not job.holdings:
-                t = next_start_s(dormant, state.now)
-                state._hold(job, "between_windows",
-                            f"Runs only inside the windows of its reservation '{dormant.name}'; the next "
-                            f"one opens at {state._when(t)}.",
-                            reservation=dormant.name, next_start_s=None if t == INFINITY else t)
-                continue
-            base = queue_key(job, state.now, state.config, state._tier(job))
-            waiting.append((_team_key(state, job, base) if state.teams else base, len(waiting), base, job))
+        elif job.phase not in WAITING_PHASES and job.phase != "recovering":
+            continue
+        if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
+            state._hold(job, "idle_phase",
+                        f"Its idle phase (evaluation or data loading) lasts until {state._when(job.idle_until_s)}; "
+                        f"its {len(job.parked)} GPUs are lent to other jobs meanwhile and come back by then.",
+                        idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
+            continue
+        if not job.holdings and not job.parked and hold_if_cannot_fit(state, job):
+            continue
+        dormant = state._dormant_between_windows(job)
+        if dormant is not None and not job.holdings:
+            t = next_start_s(dormant, state.now)
+            state._hold(job, "between_windows",
+                        f"Runs only inside the windows of its reservation '{dormant.name}'; the next "
+                        f"one opens at {state._when(t)}.",
+                        reservation=dormant.name, next_start_s=None if t == INFINITY else t)
+            continue
+        base = queue_key(job, state.now, state.config, state._tier(job))
+        waiting.append((_team_key(state, job, base) if state.teams else base, len(waiting), base, job))
     if state.teams:  # who would reclaim what a job of another team starts with beyond its quota
         state.quota_waiters = sorted(
             (PRIORITY_RANK[job.priority], job.team, job.dp_min * job.tp * job.pp, job.name)
@@ -103,17 +108,21 @@ def admit_waiting(state: PlanningPass) -> None:
             for _, _, _, job in waiting:
                 state._admit(job)
             return
+        free = None  # ``_free_now``, until an admission changes it
         for key, _, _, job in waiting:
             hopeless = _hopeless_test(state, key, job)
             if hopeless is not None:
                 need, victim_key, rank = hopeless
-                if need > _free_now(state) and (victim_key is None or state.victim_failed_at.get(victim_key, 1 << 30) <= need):
+                if free is None:
+                    free = _free_now(state)
+                if need > free and (victim_key is None or state.victim_failed_at.get(victim_key, 1 << 30) <= need):
                     # What ``admit`` finds for it: fewer GPUs free than its smallest size, none
                     # coming back, and no victims (best effort, or a search for as many that
                     # already failed in this pass). It waits; no hold is worded.
                     state.capacity_blocked_rank = min(state.capacity_blocked_rank, rank)
                     continue
             state._admit(job)
+            free = None
         return
     # With teams a team's standing changes as its jobs start: one that reaches its quota in the
     # pass makes its next jobs borrowers, which go behind the work still within its quota (rule

@@ -136,6 +136,7 @@ class Simulation:
         self.uncharged: set[Gpu] = set()  # held GPUs that do not count against their job's team's quota
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
+        self._active_sorted: list[SimJob] | None = None  # the active jobs by name, for snapshots
         self.heap: list[tuple[float, int, int, str, str, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -565,6 +566,7 @@ class Simulation:
         job.op = None
         job.epoch += 1
         self.active_names.discard(job.spec.name)
+        self._active_sorted = None
         if self.ledger is not None:
             self.ledger.runnable(job, added=False)
         self._record("complete", job.spec.name, steps_done=job.committed)
@@ -597,6 +599,7 @@ class Simulation:
         job.activity = "waiting"
         job.queued_since = self.now
         self.active_names.add(job.spec.name)
+        self._active_sorted = None
         if self.ledger is not None:
             self.ledger.runnable(job, added=True)
         self._touch(job)
@@ -649,6 +652,7 @@ class Simulation:
                 self._own_pools(job, active=False)
                 job.epoch += 1
                 self.active_names.discard(job.spec.name)
+                self._active_sorted = None
                 if self.ledger is not None:
                     self.ledger.runnable(job, added=False)
                 self._record("cancel", job.spec.name)
@@ -709,13 +713,7 @@ class Simulation:
     # --- snapshot and plan ------------------------------------------------------------------------
 
     def _snapshot_job(self, job: SimJob) -> Job:
-        # Like an agent's heartbeat, progress between milestones is reported at most every
-        # SNAPSHOT_PROGRESS_S; any state change refreshes it at once.
-        if (job.cached is not None and job.cached_version == job.version
-                and (self.now - job.cached_at < SNAPSHOT_PROGRESS_S
-                     # Progress moves only while computing: a waiting job's view stays as it is.
-                     or (job.activity != "computing" and job.cached.committed_steps == job.committed))):
-            return job.cached
+        # The planner's view of one job now (``snapshot`` keeps it while it is still true).
         live = job.live_committed(self.now)
         spec = job.spec
         if job.activity == "parked":
@@ -760,10 +758,30 @@ class Simulation:
                 for n in self.scenario.nodes
             )
         nodes = self._nodes_cache
-        jobs = tuple(self._snapshot_job(self.jobs[name]) for name in sorted(self.active_names))
+        if self._active_sorted is None:
+            self._active_sorted = [self.jobs[name] for name in sorted(self.active_names)]
+        active = self._active_sorted
+        snap_jobs: list[Job] = []
+        parked: list[SimJob] = []
+        with_op: list[SimJob] = []
+        now = self.now
+        for job in active:
+            # Like an agent's heartbeat, progress between milestones is reported at most every
+            # SNAPSHOT_PROGRESS_S, and moves only while computing; any state change refreshes
+            # the job's view at once.
+            cached = job.cached
+            if (cached is None or job.cached_version != job.version
+                    or (now - job.cached_at >= SNAPSHOT_PROGRESS_S
+                        and (job.activity == "computing" or cached.committed_steps != job.committed))):
+                cached = self._snapshot_job(job)
+            snap_jobs.append(cached)
+            if job.parked:
+                parked.append(job)
+            if job.op is not None:
+                with_op.append(job)
+        jobs = tuple(snap_jobs)
         # A team's reservation outlives its jobs: the planner resolves whom it guarantees.
         reservations = tuple(r for r in self.reservations if r.team or self.jobs[r.job].terminal is None)
-        parked = [self.jobs[name] for name in sorted(self.active_names) if self.jobs[name].parked]
         if parked:
             reservations += tuple(
                 Reservation(f"idle:{j.spec.name}", j.spec.name, len(j.parked),
@@ -772,10 +790,9 @@ class Simulation:
                 for j in parked
             )
         commands = tuple(
-            Command(j.op.cmd_id, name, j.op.action_kind, j.op.deadline_s,
+            Command(j.op.cmd_id, j.spec.name, j.op.action_kind, j.op.deadline_s,
                     tuple(g for g in j.gpus if g not in set(j.op.after)))
-            for name in sorted(self.active_names)
-            if (j := self.jobs[name]).op is not None
+            for j in with_op
         )
         teams = self.ledger.snapshot_teams() if self.ledger is not None else ()
         return Snapshot(nodes, jobs, reservations, commands, teams=teams)

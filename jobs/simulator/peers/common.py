@@ -141,9 +141,10 @@ class PeerPass:
 
     def dormant(self, job: Job) -> bool:
         """A critical job between the windows of its recurring reservation: it needs no GPUs."""
-        resv = self.res_of_job.get(job.name, ())
-        recurring = [r for r in resv if r.period_s]
-        return bool(recurring) and not any(is_active(r, self.now) for r in resv)
+        resv = self.res_of_job.get(job.name)
+        if not resv:
+            return False
+        return any(r.period_s for r in resv) and not any(is_active(r, self.now) for r in resv)
 
     def protected(self, job: Job) -> bool:
         """Whether a running job is within its ``min_run_s`` (then only a reservation, a fault or a
@@ -156,7 +157,8 @@ class PeerPass:
         """Jobs that want GPUs now: waiting (or recovering from a fault), not between windows."""
         return [j for j in self.jobs.values()
                 if (j.phase in WAITING_PHASES or j.phase == "recovering") and j.name not in self.busy
-                and j.name not in self.acted and not j.parked and not self.dormant(j)]
+                and j.name not in self.acted and not j.parked
+                and (j.name not in self.res_of_job or not self.dormant(j))]
 
     def running(self) -> list[Job]:
         """Jobs holding GPUs with no stop in flight and nothing decided in this pass (kept until

@@ -83,6 +83,10 @@ class KueuePass(PeerPass):
 
     def admit(self, job: Job) -> None:
         low, high = self.size_range(job)
+        if not self.config.explain_holds and self.hopeless(job, low, high):
+            # Held either way (for quota or for capacity): with no hold to word, skip sizing it.
+            self.skip(job)
+            return
         rep = job.replica_gpus
         sizes = [d for d in valid_sizes(job, low, high) if self.may_borrow(job, d * rep - len(job.gpus))]
         if not sizes:
