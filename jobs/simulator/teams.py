@@ -145,7 +145,7 @@ class TeamLedger:
         asking: dict[str, list[SimJob]] = {}
         for name in self.specs:
             room = self.headroom(name)
-            for jname in self.active[name]:
+            for jname in sorted(self.active[name]):  # the named waiting job: the same every run
                 job = sim.jobs[jname]
                 if not _waiting(job):
                     continue
