@@ -86,9 +86,9 @@ def admit_waiting(state: PlanningPass) -> None:
                         f"its {len(job.parked)} GPUs are lent to other jobs meanwhile and come back by then.",
                         idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
             continue
-        if not job.holdings and not job.parked and hold_if_cannot_fit(state, job):
+        if not job.holdings and not job.parked and state._fit_problems(job) and hold_if_cannot_fit(state, job):
             continue
-        dormant = state._dormant_between_windows(job)
+        dormant = state._dormant_between_windows(job) if job.name in state.res_of_job else None
         if dormant is not None and not job.holdings:
             t = next_start_s(dormant, state.now)
             state._hold(job, "between_windows",

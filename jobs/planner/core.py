@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from operator import attrgetter
 
 from jobs.planner import admission, drains, faults, growth, harvest, quota, victims
 from jobs.planner.admission import TIER_OTHER
@@ -91,7 +92,7 @@ class PlanningPass:
         self.kill = config.reclaim_mode == "kill"
         self.explain = config.explain_holds
         self.jobs: dict[str, Job] = {
-            j.name: j for j in sorted(snapshot.jobs, key=lambda j: j.name) if j.phase not in TERMINAL_PHASES
+            j.name: j for j in sorted(snapshot.jobs, key=attrgetter("name")) if j.phase not in TERMINAL_PHASES
         }
         self.busy: set[str] = {c.job for c in snapshot.commands}
         self.view = ClusterView(snapshot)

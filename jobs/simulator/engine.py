@@ -137,6 +137,7 @@ class Simulation:
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
         self._active_sorted: list[SimJob] | None = None  # the active jobs by name, for snapshots
+        self.ever_parked: set[str] = set()  # jobs that have lent their GPUs for an idle phase
         self.heap: list[tuple[float, int, int, str, str, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -472,6 +473,7 @@ class Simulation:
         if op.kind == "park":
             self._close_interval(job, "lent")
             job.parked = list(job.gpus)
+            self.ever_parked.add(job.spec.name)
             job.parked_until = job.idle_until if job.idle_until is not None else self.now
             self._unassign(job, job.gpus + job.incoming)
             job.incoming = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, TypeVar
 
 from jobs.planner.config import PlannerConfig
@@ -81,7 +82,7 @@ class PeerPass:
         self.config = config
         self.nodes = {n.name: n for n in snapshot.nodes}
         self.jobs: dict[str, Job] = {
-            j.name: j for j in sorted(snapshot.jobs, key=lambda j: j.name) if j.phase not in TERMINAL_PHASES
+            j.name: j for j in sorted(snapshot.jobs, key=attrgetter("name")) if j.phase not in TERMINAL_PHASES
         }
         self.busy = {c.job for c in snapshot.commands}
         self.reservations: list[Reservation] = [
