@@ -108,13 +108,13 @@ def admit_waiting(state: PlanningPass) -> None:
             for _, _, _, job in waiting:
                 state._admit(job)
             return
-        free = None  # ``_free_now``, until an admission changes it
+        free = None  # ``free_for_anyone``, until an admission changes it
         for key, _, _, job in waiting:
             hopeless = _hopeless_test(state, key, job)
             if hopeless is not None:
                 need, victim_key, rank = hopeless
                 if free is None:
-                    free = _free_now(state)
+                    free = state._free_for_anyone()
                 if need > free and (victim_key is None or state.victim_failed_at.get(victim_key, 1 << 30) <= need):
                     # What ``admit`` finds for it: fewer GPUs free than its smallest size, none
                     # coming back, and no victims (best effort, or a search for as many that
@@ -157,7 +157,7 @@ def _hopeless_test(state: PlanningPass, key: tuple, job: Job) -> tuple[int, tupl
     return sizes[0] * job.tp * job.pp, victim_key, prio
 
 
-def _free_now(state: PlanningPass) -> float:
+def free_for_anyone(state: PlanningPass) -> float:
     """At most how many GPUs a job with no reservation of its own could use now: every zone's free
     GPUs, or infinity while some are on their way back where it may use them (general capacity,
     or a pool with free GPUs left: ``harvest.zones_open_to`` offers no other)."""

@@ -302,6 +302,7 @@ class PlanningPass:
     _lend_idle_phases = harvest.lend_idle_phases
     _queue = admission.admit_waiting
     _tier = admission.queue_tier
+    _free_for_anyone = admission.free_for_anyone
     _admit = admission.admit
     _try_place = admission.try_place
     _try_victims = victims.take_from_victims

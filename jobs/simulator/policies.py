@@ -17,6 +17,7 @@ invariant (``QUOTA_POLICIES``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -79,6 +80,12 @@ class StaticPass(PlanningPass):
 
     def _try_victims(self, *args: object, **kwargs: object) -> bool:
         return False
+
+    def _free_for_anyone(self) -> float:
+        # Reserved pools are fenced for their owners: others start only on general capacity.
+        if self.soon_free.get(None):
+            return math.inf
+        return self.view.zone_total.get(None, 0)
 
     def _queue(self) -> None:
         # With no hold to word, a pass where no waiting job could start is skipped: static takes
