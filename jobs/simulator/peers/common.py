@@ -182,6 +182,8 @@ class PeerPass:
     def size_range(self, job: Job) -> tuple[int, int]:
         """Replicas to ask for: ``[dp_min, dp]``, or an entitled job's reservation in full."""
         high = job.dp
+        if job.name not in self.res_of_job:
+            return job.dp_min, high
         ent = self.entitled_gpus(job)
         if ent:
             high = max(high, min(job.dp_max, ent // job.replica_gpus))
