@@ -46,6 +46,15 @@ def protected_by_min_run(job: Job, now_s: float) -> bool:
     return job.min_run_s > 0 and job.run_started_s is not None and run_s(job, now_s) < job.min_run_s
 
 
+def protected_from_long_waiters(job: Job, now_s: float) -> bool:
+    """Whether a long waiter of the job's own class may not stop it yet: it has run less than
+    ``min_run_s`` for every time it was stopped before, plus one. Each stop earns the next run a
+    longer turn, so jobs of one class that all wait long take turns ever less often (a save and
+    a restart per turn) instead of every ``min_run_s``."""
+    return job.min_run_s > 0 and job.run_started_s is not None and (
+        run_s(job, now_s) < job.min_run_s * (1 + job.preemptions))
+
+
 def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple:
     """Sort key for waiting jobs: tier (entitled, recovering...), aged class, class, wait, name.
 

@@ -26,7 +26,7 @@ from jobs.planner.layout import accum_steps, batch_divides, replicas_of
 from jobs.planner.quota import ages, reclaim_candidates, reclaim_words
 from jobs.planner.rhythm import predict, stop_time_s
 from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job
-from jobs.planner.starvation import is_aged, protected_by_min_run, waited_s
+from jobs.planner.starvation import is_aged, protected_by_min_run, protected_from_long_waiters, waited_s
 from jobs.planner.wording import duration_words, returning_sentence, signal_stop_words
 
 if TYPE_CHECKING:
@@ -202,6 +202,8 @@ class VictimEntry:
     protected: bool
     excess: bool
     aged: bool
+    #: A long waiter of its own class may not stop it yet (``starvation.protected_from_long_waiters``).
+    turn_protected: bool = False
 
 
 def take_from_victims(
@@ -252,7 +254,7 @@ def take_from_victims(
                 # back), or, for a long waiter, a job that has had its min_run_s (rule 8).
                 if entry.excess and (forced or not entry.protected):
                     floors[other.name] = other.dp
-                elif not (aged and not entry.protected and not entry.aged):
+                elif not (aged and not entry.turn_protected and not entry.aged):
                     continue
                 elif book and not forced and other.team != job.team and book.reclaimable(other, job.team) <= 0:
                     # A long waiter does not take from a team within its quota (rule 9): that
@@ -384,6 +386,7 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
                 protected=protected_by_min_run(j, state.now),
                 excess=j.current_dp > j.dp,
                 aged=is_aged(j, state.now, state.config),
+                turn_protected=protected_from_long_waiters(j, state.now),
             )
             for j in pool
         ]

@@ -40,3 +40,19 @@ def test_an_aged_waiter_cannot_take_from_a_job_inside_its_min_run() -> None:
     result = plan(snapshot(NODES, [runner, waiter]), 9000.0)
     assert not [a for a in result.actions if a.kind in ("shrink", "preempt")]
     assert result.by_kind("hold")[0].job == "waiter"
+
+
+def test_each_stop_earns_a_job_a_longer_turn_before_a_long_waiter_of_its_class_stops_it_again() -> None:
+    # Stopped twice before, the runner may be stopped for a long waiter of its class only after
+    # 3 x min_run_s of its new run: jobs that all wait long take turns ever less often.
+    waiter = job("waiter", dp=1, submit_s=0.0, queued_since_s=0.0)
+    stopped = job("runner", dp=2, dp_min=1, global_batch=64, gpus=ALL, run_started_s=0.0, min_run_s=7200.0,
+                  preemptions=2)
+    snap = snapshot(NODES, [stopped, waiter])
+    assert not [a for a in plan(snap, 21_000.0).actions if a.kind in ("shrink", "preempt")]
+    assert plan(snap, 21_000.0).by_kind("hold")[0].job == "waiter"
+    (shrink,) = plan(snap, 21_700.0).by_kind("shrink")
+    assert shrink.job == "runner" and shrink.reason.rule == "starvation"
+    # Never stopped before: its min_run_s alone protects it.
+    fresh = job("runner", dp=2, dp_min=1, global_batch=64, gpus=ALL, run_started_s=0.0, min_run_s=7200.0)
+    assert plan(snapshot(NODES, [fresh, waiter]), 7800.0).by_kind("shrink")
