@@ -110,19 +110,11 @@ def admit_waiting(state: PlanningPass) -> None:
             return
         free = None  # ``free_for_anyone``, until an admission changes it
         for key, _, _, job in waiting:
-            hopeless = _hopeless_test(state, key, job)
-            if hopeless is not None:
-                need, victim_key, rank = hopeless
-                if free is None:
-                    free = state._free_for_anyone()
-                if need > free and (victim_key is None or state.victim_failed_at.get(victim_key, 1 << 30) <= need):
-                    # What ``admit`` finds for it: fewer GPUs free than its smallest size, none
-                    # coming back, and no victims (best effort, or a search for as many that
-                    # already failed in this pass). It waits; no hold is worded.
-                    state.capacity_blocked_rank = min(state.capacity_blocked_rank, rank)
-                    continue
-            state._admit(job)
-            free = None
+            if free is None:
+                free = state._free_for_anyone()
+            if not _waits_quietly(state, key, job, free):
+                state._admit(job)
+                free = None
         return
     # With teams a team's standing changes as its jobs start: one that reaches its quota in the
     # pass makes its next jobs borrowers, which go behind the work still within its quota (rule
@@ -134,27 +126,53 @@ def admit_waiting(state: PlanningPass) -> None:
         if (now_key := _team_key(state, job, base)) > key:
             heapq.heappush(waiting, (now_key, i, base, job))
             continue
-        state._admit(job)
+        if state.explain or not _waits_quietly(state, now_key, job, state._free_for_anyone()):
+            state._admit(job)
 
 
-def _hopeless_test(state: PlanningPass, key: tuple, job: Job) -> tuple[int, tuple | None, int] | None:
+def _waits_quietly(state: PlanningPass, key: tuple, job: Job, free: float) -> bool:
+    """With no hold to word: whether ``job`` (queue key ``key``) is one ``admit`` would hold at
+    once (``_hopeless_test``) with ``free`` as ``free_for_anyone`` now; if so it waits, and its
+    class counts as held for capacity as ``admit``'s hold would count it."""
+    hopeless = _hopeless_test(state, key, job)
+    if hopeless is None:
+        return False
+    need, victim_key, rank = hopeless
+    if rank is None:  # held at its team's borrowing limit, whatever is free
+        return True
+    if need > free and (victim_key is None or state.victim_failed_at.get(victim_key, 1 << 30) <= need):
+        # Fewer GPUs free than its smallest size, none coming back, and no victims (best
+        # effort, or a search for as many that already failed in this pass).
+        state.capacity_blocked_rank = min(state.capacity_blocked_rank, rank)
+        return True
+    return False
+
+
+def _hopeless_test(state: PlanningPass, key: tuple, job: Job) -> tuple[int, tuple | None, int | None] | None:
     """For a waiting job ``admit`` would hold at once when too few GPUs are free (no GPUs held or
-    lent, no reservation, not recovering or critical, no teams): (its smallest size in GPUs, the key of
-    a failed victim search that would also fail for it, or None when it takes no victims, and its
-    class rank). None for any other job, which ``admit`` decides in full."""
+    lent, no reservation, not recovering or critical, no quota to reclaim for): (its smallest size
+    in GPUs, the key of a failed victim search that would also fail for it, or None when it takes
+    no victims, and its class rank; None for a job its team's borrowing limit holds whatever is
+    free). None for any other job, which ``admit`` decides in full."""
     if (key[0] != TIER_OTHER or job.holdings or job.parked or job.phase not in WAITING_PHASES
             or job.name in state.res_of_job):
         return None
     sizes = valid_dps(job)  # ascending: ``admit`` tries the smallest last
     if not sizes:
         return None
-    rank = key[1]  # queue_key's effective rank (``admit``'s without teams)
+    need = sizes[0] * job.tp * job.pp
+    if state.teams:
+        if quota.may_reclaim(state, job, need):
+            return None
+        if job.team is not None and need > quota.size_cap(state, job):
+            return need, None, None
+    rank = key[1]  # the queue key's standing: ``admit``'s rank (effective with ageing, else the class)
     prio = PRIORITY_RANK[job.priority]
     victim_key = None
     if rank < PRIORITY_RANK["best_effort"] and state.takes_victims:
-        aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+        aged = job.priority == "regular" and quota.ages(state, job) and is_aged(job, state.now, state.config)
         victim_key = (prio, rank, False, aged)
-    return sizes[0] * job.tp * job.pp, victim_key, prio
+    return need, victim_key, prio
 
 
 def free_for_anyone(state: PlanningPass) -> float:

@@ -52,6 +52,23 @@ def test_a_long_queue_is_decided_the_same_with_holds_worded_or_not(policy: str) 
     assert _figures(quiet) == _figures(worded)
 
 
+@pytest.mark.parametrize("policy", ("omni", "kill_preempt", "kueue"))
+def test_a_long_queue_of_teams_is_decided_the_same_with_holds_worded_or_not(policy: str) -> None:
+    # Quotas and a borrowing limit: reclaims for a team below its quota, and jobs held at their
+    # team's limit whatever is free, are decided in the quiet pass too.
+    data = queued_scenario(11)
+    data["teams"] = [{"name": "vision", "quota_gpus": 12}, {"name": "speech", "quota_gpus": 12, "borrow_limit_gpus": 4},
+                     {"name": "infra", "quota_gpus": 4}]
+    for i, job in enumerate(data["jobs"]):
+        if job["priority"] != "critical" and i % 4:
+            job["team"] = ("vision", "speech", "infra")[i % 3]
+    scenario = parse_scenario(data)
+    quiet = simulate(scenario, policy)
+    worded = simulate(scenario, policy, record_events=True)
+    assert any(e["kind"] == "hold" and "team" in e["reason"]["text"] for e in worded["events"])
+    assert _figures(quiet) == _figures(worded)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(scenarios())
 def test_random_scenarios_are_decided_the_same_with_holds_worded_or_not(data: dict) -> None:
