@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jobs.planner import quota
@@ -64,21 +64,28 @@ def queue_tier(state: PlanningPass, job: Job) -> int:
     return TIER_OTHER
 
 
+def lost_nodes(state: PlanningPass) -> set[str]:
+    """Nodes whose GPUs are lost to the jobs on them (failed)."""
+    return {n for n, node in state.nodes.items() if node.health in LOST_HEALTH}
+
+
+def in_queue(state: PlanningPass, job: Job, lost: set[str]) -> bool:
+    """Whether ``job`` is the queue's to decide in this pass: nothing in flight or decided for it
+    yet, and waiting, recovering, or holding GPUs on a node in ``lost`` (or one that is gone)."""
+    if job.name in state.busy or job.name in state.acted:
+        return False
+    if job.phase in WAITING_PHASES or job.phase == "recovering":
+        return True
+    return bool(job.holdings) and bool(lost) and any(
+        h.gpu.node in lost or h.gpu.node not in state.nodes for h in job.holdings)
+
+
 def admit_waiting(state: PlanningPass) -> None:
     """Hold jobs in an idle phase or between windows; admit the others in queue order."""
     waiting: list[tuple[tuple, int, tuple, Job]] = []  # (key, arrival, queue_key, job)
-    lost_nodes = {n for n, node in state.nodes.items() if node.health in LOST_HEALTH}
-    busy, acted = state.busy, state.acted
+    lost = lost_nodes(state)
     for job in state.jobs.values():
-        if job.name in busy or job.name in acted:
-            continue
-        if job.holdings:
-            has_lost = bool(lost_nodes) and any(
-                h.gpu.node in lost_nodes or h.gpu.node not in state.nodes for h in job.holdings
-            )
-            if not has_lost and job.phase not in WAITING_PHASES and job.phase != "recovering":
-                continue
-        elif job.phase not in WAITING_PHASES and job.phase != "recovering":
+        if not in_queue(state, job, lost):
             continue
         if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
             state._hold(job, "idle_phase",
@@ -86,9 +93,9 @@ def admit_waiting(state: PlanningPass) -> None:
                         f"its {len(job.parked)} GPUs are lent to other jobs meanwhile and come back by then.",
                         idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
             continue
-        if not job.holdings and not job.parked and state._fit_problems(job) and hold_if_cannot_fit(state, job):
+        if not job.holdings and not job.parked and hold_if_cannot_fit(state, job):
             continue
-        dormant = state._dormant_between_windows(job) if job.name in state.res_of_job else None
+        dormant = state._dormant_between_windows(job)
         if dormant is not None and not job.holdings:
             t = next_start_s(dormant, state.now)
             state._hold(job, "between_windows",
@@ -102,77 +109,66 @@ def admit_waiting(state: PlanningPass) -> None:
         state.quota_waiters = sorted(
             (PRIORITY_RANK[job.priority], job.team, job.dp_min * job.tp * job.pp, job.name)
             for _, _, _, job in waiting if job.team is not None and not job.holdings)
-    if not state.teams:  # the keys never change: a plain sorted walk
-        waiting.sort()
-        if state.explain:
-            for _, _, _, job in waiting:
-                state._admit(job)
-            return
-        free = None  # ``free_for_anyone``, until an admission changes it
-        for key, _, _, job in waiting:
-            if free is None:
-                free = state._free_for_anyone()
-            if not _waits_quietly(state, key, job, free):
-                state._admit(job)
-                free = None
-        return
     # With teams a team's standing changes as its jobs start: one that reaches its quota in the
     # pass makes its next jobs borrowers, which go behind the work still within its quota (rule
     # 9), not ahead of it where the first ordering put them (a job placed in a pass is no victim
-    # in it).
-    heapq.heapify(waiting)
-    while waiting:
-        key, i, base, job = heapq.heappop(waiting)
+    # in it). Without teams the keys never change and this is a plain sorted walk.
+    if state.teams:
+        heapq.heapify(waiting)
+        pops = _pop_current(state, waiting)
+    else:
+        waiting.sort()
+        pops = ((key, job) for key, _, _, job in waiting)
+    free = None  # ``free_for_anyone``, until an admission changes it
+    for key, job in pops:
+        if not state.explain:
+            if free is None:
+                free = state._free_for_anyone()
+            if _waits_quietly(state, key, job, free):
+                continue
+        state._admit(job)
+        free = None
+
+
+def _pop_current(state: PlanningPass, heap: list[tuple[tuple, int, tuple, Job]]) -> Iterator[tuple[tuple, Job]]:
+    """(key, job) from ``heap`` in order of each job's standing now: one whose key has grown since
+    it was pushed goes back in with the new key."""
+    while heap:
+        key, i, base, job = heapq.heappop(heap)
         if (now_key := _team_key(state, job, base)) > key:
-            heapq.heappush(waiting, (now_key, i, base, job))
+            heapq.heappush(heap, (now_key, i, base, job))
             continue
-        if state.explain or not _waits_quietly(state, now_key, job, state._free_for_anyone()):
-            state._admit(job)
+        yield now_key, job
 
 
 def _waits_quietly(state: PlanningPass, key: tuple, job: Job, free: float) -> bool:
-    """With no hold to word: whether ``job`` (queue key ``key``) is one ``admit`` would hold at
-    once (``_hopeless_test``) with ``free`` as ``free_for_anyone`` now; if so it waits, and its
-    class counts as held for capacity as ``admit``'s hold would count it."""
-    hopeless = _hopeless_test(state, key, job)
-    if hopeless is None:
-        return False
-    need, victim_key, rank = hopeless
-    if rank is None:  # held at its team's borrowing limit, whatever is free
-        return True
-    if need > free and (victim_key is None or state.victim_failed_at.get(victim_key, 1 << 30) <= need):
-        # Fewer GPUs free than its smallest size, none coming back, and no victims (best
-        # effort, or a search for as many that already failed in this pass).
-        state.capacity_blocked_rank = min(state.capacity_blocked_rank, rank)
-        return True
-    return False
-
-
-def _hopeless_test(state: PlanningPass, key: tuple, job: Job) -> tuple[int, tuple | None, int | None] | None:
-    """For a waiting job ``admit`` would hold at once when too few GPUs are free (no GPUs held or
-    lent, no reservation, not recovering or critical, no quota to reclaim for): (its smallest size
-    in GPUs, the key of a failed victim search that would also fail for it, or None when it takes
-    no victims, and its class rank; None for a job its team's borrowing limit holds whatever is
-    free). None for any other job, which ``admit`` decides in full."""
+    """With no hold to word: whether ``admit`` would hold ``job`` (queue key ``key``) at once, and
+    then it just waits. That is a job holding, lent and reserving nothing, neither recovering nor
+    critical, with no quota to reclaim for, and either at its team's borrowing limit or needing
+    more than ``free`` (``free_for_anyone``) at its smallest size with no victims to take from
+    (best effort, or a search for as many already failed in this pass). Like ``admit``'s hold
+    for capacity, it counts its class as held for capacity."""
     if (key[0] != TIER_OTHER or job.holdings or job.parked or job.phase not in WAITING_PHASES
             or job.name in state.res_of_job):
-        return None
+        return False
     sizes = valid_dps(job)  # ascending: ``admit`` tries the smallest last
     if not sizes:
-        return None
+        return False
     need = sizes[0] * job.tp * job.pp
     if state.teams:
         if quota.may_reclaim(state, job, need):
-            return None
+            return False
         if job.team is not None and need > quota.size_cap(state, job):
-            return need, None, None
+            return True  # held at its team's borrowing limit, whatever is free
+    if need <= free:
+        return False
     rank = key[1]  # the queue key's standing: ``admit``'s rank (effective with ageing, else the class)
-    prio = PRIORITY_RANK[job.priority]
-    victim_key = None
     if rank < PRIORITY_RANK["best_effort"] and state.takes_victims:
         aged = job.priority == "regular" and quota.ages(state, job) and is_aged(job, state.now, state.config)
-        victim_key = (prio, rank, False, aged)
-    return need, victim_key, prio
+        if state.victim_failed_at.get((PRIORITY_RANK[job.priority], rank, False, aged), 1 << 30) > need:
+            return False
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    return True
 
 
 def free_for_anyone(state: PlanningPass) -> float:

@@ -22,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from jobs.planner import admission
 from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import TIER_OTHER, PlanningPass
 from jobs.planner.decisions import Plan
 from jobs.planner.rhythm import step_time_at
-from jobs.planner.snapshot import WAITING_PHASES, Job, Snapshot
+from jobs.planner.snapshot import Job, Snapshot
 
 if TYPE_CHECKING:
     from jobs.simulator.scenario import JobSpec, Scenario
@@ -98,21 +99,14 @@ class StaticPass(PlanningPass):
             return
         totals, soon = self.view.zone_total, self.soon_free
         general = totals.get(None, 0) + soon.get(None, 0)
+        lost = admission.lost_nodes(self)
         for job in self.jobs.values():
-            if job.name in self.busy:
+            if not admission.in_queue(self, job, lost):
                 continue
-            waiting = job.phase in WAITING_PHASES or job.phase == "recovering"
-            if job.holdings:
-                if waiting or any(h.gpu.node not in self.nodes or self.nodes[h.gpu.node].health == "failed"
-                                  for h in job.holdings):
-                    super()._queue()
-                    return
-            elif waiting:
-                avail = general + sum(totals.get(r.name, 0) + soon.get(r.name, 0)
-                                      for r in self.res_of_job.get(job.name, ()))
-                if job.dp * job.tp * job.pp <= avail and self._dormant_between_windows(job) is None:
-                    super()._queue()
-                    return
+            avail = general + sum(totals.get(r.name, 0) + soon.get(r.name, 0) for r in self.res_of_job.get(job.name, ()))
+            if job.holdings or (job.dp * job.tp * job.pp <= avail and self._dormant_between_windows(job) is None):
+                super()._queue()
+                return
 
     def _reservations(self) -> None:
         # Summarise pools (for zones) but never reclaim: nothing is ever lent.
