@@ -203,7 +203,7 @@ class VictimEntry:
     excess: bool
     aged: bool
     #: A long waiter of its own class may not stop it yet (``starvation.protected_from_long_waiters``).
-    turn_protected: bool = False
+    turn_protected: bool
 
 
 def take_from_victims(

@@ -158,8 +158,7 @@ class PeerPass:
         """Jobs that want GPUs now: waiting (or recovering from a fault), not between windows."""
         return [j for j in self.jobs.values()
                 if (j.phase in WAITING_PHASES or j.phase == "recovering") and j.name not in self.busy
-                and j.name not in self.acted and not j.parked
-                and (j.name not in self.res_of_job or not self.dormant(j))]
+                and j.name not in self.acted and not j.parked and not self.dormant(j)]
 
     def running(self) -> list[Job]:
         """Jobs holding GPUs with no stop in flight and nothing decided in this pass (kept until
@@ -182,8 +181,6 @@ class PeerPass:
     def size_range(self, job: Job) -> tuple[int, int]:
         """Replicas to ask for: ``[dp_min, dp]``, or an entitled job's reservation in full."""
         high = job.dp
-        if job.name not in self.res_of_job:
-            return job.dp_min, high
         ent = self.entitled_gpus(job)
         if ent:
             high = max(high, min(job.dp_max, ent // job.replica_gpus))

@@ -74,9 +74,8 @@ class KueuePass(PeerPass):
 
     def schedule(self) -> None:
         self.drains()
-        owners = self.res_of_job
         queue = sorted(self.waiting(), key=lambda j: (
-            0 if j.name in owners and self.entitled_gpus(j) else 1,
+            0 if self.entitled_gpus(j) else 1,
             0 if self.within_nominal(j, j.dp_min * j.replica_gpus) else 1,
             PRIORITY_RANK[j.priority], j.submit_s, j.name))
         for job in queue:

@@ -114,10 +114,8 @@ class SlurmPass(PeerPass):
 
     def schedule(self) -> None:
         self.drains()
-        owners = self.res_of_job
         queue = sorted(self.waiting(), key=lambda j: (
-            0 if j.name in owners and self.entitled_gpus(j) else 1, PRIORITY_RANK[j.priority], -self.priority(j),
-            j.submit_s, j.name))
+            0 if self.entitled_gpus(j) else 1, PRIORITY_RANK[j.priority], -self.priority(j), j.submit_s, j.name))
         shadow_s: float | None = None
         spare = 0
         for job in queue:
