@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jobs.planner import quota
@@ -23,6 +23,7 @@ from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.faults import continue_on_survivors, surviving_replicas
 from jobs.planner.harvest import loan_notes, refused_loan_notes
 from jobs.planner.layout import accum_steps, valid_dps
+from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import reclaim_lead_time
 from jobs.planner.snapshot import PRIORITY_RANK, WAITING_PHASES, Gpu, Job
 from jobs.planner.starvation import effective_rank, is_aged, queue_key, waited_s
@@ -49,6 +50,10 @@ TIER_ENTITLED = 0
 TIER_RECOVERING = 1
 TIER_CRITICAL = 2
 TIER_OTHER = 3
+# A quiet pass's groups of plain waiters (``_walk_quietly``): (GPUs at the smallest size, queue
+# standing, class, long waiter), and each member as (waiting since, name, job).
+Group = tuple[int, int, int, bool]
+Waiter = tuple[float, str, Job]
 # The hold cause of a job that can never run on this cluster as it is (pages show it no ETA).
 CANNOT_FIT = "cannot_fit"
 
@@ -84,7 +89,15 @@ def admit_waiting(state: PlanningPass) -> None:
     """Hold jobs in an idle phase or between windows; admit the others in queue order."""
     waiting: list[tuple[tuple, int, tuple, Job]] = []  # (key, arrival, queue_key, job)
     lost = lost_nodes(state)
+    groups = _quiet_groups(state)
     for job in state.jobs.values():
+        if groups is not None and _plain(state, job):
+            if job.name in state.busy or job.name in state.acted or state._fit_problems(job):
+                continue  # not the queue's to decide, or can never fit (a hold says nothing here)
+            if (sig := _quiet_group(state, job)) is not None:
+                since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
+                groups.setdefault(sig, []).append((since, job.name, job))
+                continue
         if not in_queue(state, job, lost):
             continue
         if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
@@ -118,6 +131,9 @@ def admit_waiting(state: PlanningPass) -> None:
         pops = _pop_current(state, waiting)
     else:
         waiting.sort()
+        if groups is not None:
+            _walk_quietly(state, [(key, job) for key, _, _, job in waiting], groups)
+            return
         pops = ((key, job) for key, _, _, job in waiting)
     free = None  # ``free_for_anyone``, until an admission changes it
     for key, job in pops:
@@ -128,6 +144,62 @@ def admit_waiting(state: PlanningPass) -> None:
                 continue
         state._admit(job)
         free = None
+
+
+def _quiet_groups(state: PlanningPass) -> dict[Group, list[Waiter]] | None:
+    """Where a pass walks its plain waiters by group (``_walk_quietly``), the empty groups to
+    fill: in a quiet pass without teams, with the queue's own tiers. Else None."""
+    return {} if not state.explain and not state.teams and type(state)._tier is queue_tier else None
+
+
+def _plain(state: PlanningPass, job: Job) -> bool:
+    """Whether ``job`` is a plain waiter: waiting for its first GPUs (or again after a stop),
+    not critical, reserving and lending nothing. Its queue tier is ``TIER_OTHER``."""
+    return (not job.holdings and not job.parked and job.phase in WAITING_PHASES
+            and job.priority != "critical" and job.name not in state.res_of_job)
+
+
+def _quiet_group(state: PlanningPass, job: Job) -> tuple[int, int, int, bool] | None:
+    """A plain waiter's group for ``_walk_quietly``: (GPUs at its smallest size, queue standing,
+    class, long waiter), everything ``_waits_quietly`` reads of it without teams; None for a job
+    with no valid size (``admit`` decides it)."""
+    sizes = valid_dps(job)
+    if not sizes:
+        return None
+    rank = PRIORITY_RANK[job.priority]
+    aged = job.priority == "regular" and is_aged(job, state.now, state.config)
+    return (sizes[0] * job.tp * job.pp, effective_rank(job, state.now, state.config), rank, aged)
+
+
+
+def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: dict[Group, list[Waiter]]) -> None:
+    """The queue walk of a quiet pass without teams, by groups (``queue_walk``), deciding as the
+    walk job by job with ``_waits_quietly`` would.
+
+    Plain waiters (``_plain``) come in ``groups`` of jobs ``_waits_quietly`` tells apart by
+    nothing (``_quiet_group``): a group is shut while more GPUs than are free for anyone would
+    be needed at its smallest size and no victim search is left to try for its standing. Jobs of
+    a shut group that the walk passes wait; like ``admit``'s hold for capacity, each counts its
+    class as held for capacity.
+    """
+    best_effort = PRIORITY_RANK["best_effort"]
+
+    def shut_now() -> Callable[[Group], bool]:
+        free = state._free_for_anyone()
+        failed = state.victim_failed_at
+        victims = state.takes_victims
+
+        def shut(sig: Group) -> bool:
+            need, standing, rank, aged = sig
+            return need > free and not (victims and standing < best_effort
+                                        and failed.get((rank, standing, False, aged), 1 << 30) > need)
+        return shut
+
+    def passed(sig: Group) -> None:
+        state.capacity_blocked_rank = sig[2]
+
+    walk_by_groups(others, groups, lambda sig, m: (TIER_OTHER, sig[1], sig[2], m[0], m[1]), shut_now,
+                   state._admit, passed, heeds=lambda sig: sig[2] < state.capacity_blocked_rank)
 
 
 def _pop_current(state: PlanningPass, heap: list[tuple[tuple, int, tuple, Job]]) -> Iterator[tuple[tuple, Job]]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from jobs.planner import admission
 from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
-from jobs.planner.core import TIER_OTHER, PlanningPass
+from jobs.planner.core import PlanningPass
 from jobs.planner.decisions import Plan
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import Job, Snapshot
@@ -54,10 +54,6 @@ class StaticPass(PlanningPass):
             if res.name in self.pools:
                 zones[res.name] = None
         return zones
-
-    def _tier(self, job: Job) -> int:
-        tier = super()._tier(job)
-        return min(tier, TIER_OTHER)
 
     def _admit(self, job: Job) -> None:
         # FCFS at the preferred size only; a job that does not fit waits and later jobs

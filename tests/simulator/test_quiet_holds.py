@@ -17,15 +17,16 @@ def _figures(result: dict) -> dict:
     return {k: v for k, v in result.items() if k != "events" and "wall" not in k}
 
 
-def queued_scenario(seed: int) -> dict:
-    """32 GPUs and a queue of 90 jobs of every class and shape: most passes hold a long tail."""
+def queued_scenario(seed: int, jobs_n: int = 90, switches: int = 2) -> dict:
+    """32 GPUs (16 per switch) and a queue of 90 jobs of every class and shape: most passes hold
+    a long tail."""
     rng = random.Random(seed)
     jobs = []
-    for i in range(90):
+    for i in range(jobs_n):
         tp = rng.choice((1, 1, 2, 4, 8))
         dp = rng.choice((1, 1, 2, 4)) if tp < 8 else rng.choice((1, 2))
         jobs.append({
-            "name": f"j{i:02d}", "priority": rng.choice(("regular", "best_effort", "best_effort")),
+            "name": f"j{i:03d}", "priority": rng.choice(("regular", "best_effort", "best_effort")),
             "submit_s": rng.randrange(0, 40_000), "tp": tp, "dp": dp, "dp_min": max(1, dp // 2),
             "dp_max": dp * 2, "global_batch": 16 * dp * 2, "micro_batch": 2,
             "total_steps": rng.randrange(200, 3000), "step_s": rng.uniform(1.0, 4.0),
@@ -36,7 +37,7 @@ def queued_scenario(seed: int) -> dict:
                  "total_steps": 1_000_000, "step_s": 2.0, "checkpoint": {"every_steps": 200, "save_s": 20, "load_s": 30}})
     return {
         "name": f"queued-{seed}", "horizon_s": 86_400, "seed": seed,
-        "cluster": {"racks": 1, "switches_per_rack": 2, "nodes_per_switch": 2, "gpus_per_node": 8},
+        "cluster": {"racks": 1, "switches_per_rack": switches, "nodes_per_switch": 2, "gpus_per_node": 8},
         "jobs": jobs,
         "reservations": [{"name": "crit-hourly", "job": "crit", "gpus": 8, "period_s": 3600, "active_s": 1800}],
         "events": [{"at_s": 30_000, "kind": "node_down", "node": "r0s1n1"}, {"at_s": 34_000, "kind": "node_up", "node": "r0s1n1"}],
@@ -79,3 +80,53 @@ def test_random_scenarios_are_decided_the_same_with_holds_worded_or_not(data: di
         return
     for policy in ("omni", "static", "kill_preempt"):
         assert _figures(simulate(scenario, policy)) == _figures(simulate(scenario, policy, record_events=True)), policy
+
+
+def _twice(make_pass, grouped_off, counts: dict):
+    # A plan function that decides each pass both ways, by groups and job by job, and insists
+    # on the same actions, wake-up and class held for capacity (which decides who may grow).
+    def decide(snapshot, now_s, config):
+        by_group = make_pass(snapshot, now_s, config)
+        plan = by_group.run()
+        with grouped_off():
+            one_by_one = make_pass(snapshot, now_s, config)
+            assert one_by_one.run() == plan, now_s
+        assert by_group.capacity_blocked_rank == one_by_one.capacity_blocked_rank, now_s
+        counts["passes"] += 1
+        counts["held"] += by_group.capacity_blocked_rank < 99
+        return plan
+    return decide
+
+
+@pytest.mark.parametrize("seed", (3, 5, 8))
+@pytest.mark.parametrize("policy", ("omni", "kill_preempt", "static"))
+def test_the_quiet_walk_by_groups_decides_every_pass_as_the_walk_job_by_job(
+        policy: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``admission._walk_quietly`` skips whole groups of plain waiters while the pass's state
+    # stands; each pass of a long queue (ageing every 30 min, so standings and long waiters mix)
+    # is decided again job by job (``_quiet_groups`` finds no grouping).
+    import contextlib
+
+    from jobs.planner import admission
+    from jobs.planner.core import PlanningPass
+    from jobs.simulator import engine, policies
+
+    @contextlib.contextmanager
+    def grouped_off():
+        with monkeypatch.context() as m:
+            m.setattr(admission, "_quiet_groups", lambda state: None)
+            yield
+
+    counts = {"passes": 0, "held": 0}
+    data = queued_scenario(seed, jobs_n=240, switches=4)
+    data["policy"] = {"ageing_s": 1800}
+    for job in data["jobs"][::9]:  # jobs back from an idle phase take their lent GPUs back
+        job["idle_phases"] = [{"every_steps": 100, "duration_s": 1200}]
+    if policy == "static":
+        monkeypatch.setattr(policies, "plan_static", _twice(
+            lambda s, t, c: policies.StaticPass(s, t, c.with_overrides({"ageing_s": 0.0})), grouped_off, counts))
+    else:
+        monkeypatch.setattr(engine, "omni_plan", _twice(PlanningPass, grouped_off, counts))
+    simulate(parse_scenario(data), policy)
+    assert counts["passes"] > 100 and counts["held"] > counts["passes"] // 4, counts
+

@@ -1,0 +1,132 @@
+"""``admission._walk_quietly``, the queue walk of a quiet pass, against its specification: in
+queue order, every job of ``others`` is admitted, and a plain waiter is admitted unless its group
+is shut at that moment (more GPUs needed than are free, and no victim search left to try), when
+it waits and counts its class as held for capacity. Each admission may change what is free and
+which victim searches failed, in any direction; the walk must follow."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from jobs.planner import admission
+from jobs.planner.admission import TIER_OTHER
+from jobs.planner.snapshot import PRIORITY_RANK
+
+
+class ScriptedPass:
+    """The part of a planning pass the walk reads and writes; each admission moves the free count
+    and the failed victim searches as a seeded script says (the same in both walks)."""
+
+    takes_victims = True
+
+    def __init__(self, seed: int, sigs: list[tuple]) -> None:
+        self.seed = seed
+        self.sigs = sigs
+        self.free: float = random.Random(seed).randrange(0, 12)
+        self.victim_failed_at: dict[tuple, int] = {}
+        self.capacity_blocked_rank = 99
+        self.admitted: list[str] = []
+
+    def _free_for_anyone(self) -> float:
+        return self.free
+
+    def _admit(self, job: str) -> None:
+        self.admitted.append(job)
+        rng = random.Random(f"{self.seed}:{job}")
+        move = rng.random()
+        if move < 0.15:
+            self.free = math.inf  # a victim's GPUs are on their way back
+        elif move < 0.45:
+            self.free = rng.randrange(0, 12)  # up or down
+        elif move < 0.75 and self.sigs:
+            need, standing, rank, aged = rng.choice(self.sigs)
+            key = (rank, standing, False, aged)
+            self.victim_failed_at[key] = min(self.victim_failed_at.get(key, 1 << 30), rng.choice((1, 2, 4, 8)))
+
+
+def _shut(state: ScriptedPass, sig: tuple) -> bool:
+    need, standing, rank, aged = sig
+    victims_left = (standing < PRIORITY_RANK["best_effort"]
+                    and state.victim_failed_at.get((rank, standing, False, aged), 1 << 30) > need)
+    return need > state._free_for_anyone() and not victims_left
+
+
+def _queue(seed: int) -> tuple[list[tuple[tuple, str]], dict[tuple, list[tuple[float, str, str]]]]:
+    rng = random.Random(seed)
+    others = sorted(((rng.choice((0, 2, TIER_OTHER)), rng.choice((1, 2)), rng.choice((1, 2)), float(rng.randrange(50)),
+                      f"o{i}"), f"o{i}") for i in range(rng.randrange(0, 6)))
+    groups: dict[tuple, list[tuple[float, str, str]]] = {}
+    for i in range(rng.randrange(0, 60)):
+        rank = rng.choice((1, 2))
+        sig = (rng.choice((1, 2, 4, 8, 16)), rng.choice((1, rank)), rank, rank == 1 and rng.random() < 0.3)
+        groups.setdefault(sig, []).append((float(rng.randrange(50)), f"p{i}", f"p{i}"))
+    return others, groups
+
+
+def _reference(state: ScriptedPass, others: list, groups: dict) -> None:
+    walk = sorted([(key, job, None) for key, job in others]
+                  + [((TIER_OTHER, sig[1], sig[2], since, name), job, sig)
+                     for sig, members in groups.items() for since, name, job in members])
+    for _, job, sig in walk:
+        if sig is not None and _shut(state, sig):
+            state.capacity_blocked_rank = min(state.capacity_blocked_rank, sig[2])
+            continue
+        state._admit(job)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_walk_by_groups_admits_and_holds_as_the_walk_job_by_job(seed: int) -> None:
+    others, groups = _queue(seed)
+    expected = ScriptedPass(seed, list(groups))
+    _reference(expected, others, {sig: list(m) for sig, m in groups.items()})
+    walked = ScriptedPass(seed, list(groups))
+    admission._walk_quietly(walked, others, {sig: list(m) for sig, m in groups.items()})
+    assert walked.admitted == expected.admitted
+    assert walked.capacity_blocked_rank == expected.capacity_blocked_rank
+    assert walked.victim_failed_at == expected.victim_failed_at
+
+
+def test_the_script_reopens_shut_groups_behind_the_walk() -> None:
+    # The cases the walk's catching up is for: a group shut while the walk passed some of its
+    # jobs, then open again (GPUs on their way back) with jobs still ahead.
+    reopened = 0
+    for seed in range(300):
+        others, groups = _queue(seed)
+        state = ScriptedPass(seed, list(groups))
+        shut_seen: set[tuple] = set()
+        walk = sorted([(key, job, None) for key, job in others]
+                      + [((TIER_OTHER, s[1], s[2], since, name), job, s) for s, m in groups.items() for since, name, job in m])
+        for _, job, sig in walk:
+            if sig is not None and _shut(state, sig):
+                shut_seen.add(sig)
+                continue
+            if sig in shut_seen:
+                reopened += 1
+                shut_seen.discard(sig)
+            state._admit(job)
+    assert reopened >= 30, reopened
+
+
+def test_a_plain_waiter_is_grouped_by_its_smallest_size_its_standing_its_class_and_a_long_wait() -> None:
+    # Everything ``_waits_quietly`` reads of a job without teams, and nothing else: two jobs in
+    # one group are told apart by nothing but their place in the queue.
+    from jobs.planner.config import PlannerConfig
+    from jobs.planner.core import PlanningPass
+    from tests.planner.factory import cluster, job, snapshot
+
+    config = PlannerConfig(ageing_s=1000.0, explain_holds=False)
+    jobs = [
+        job("fresh", tp=2, dp=4, dp_min=2, dp_max=4, submit_s=4_500.0),
+        job("long", tp=2, dp=4, dp_min=2, dp_max=4, submit_s=3_000.0),  # waited 2,000 s >= ageing_s
+        job("be-old", priority="best_effort", tp=1, dp=2, dp_min=1, dp_max=2, submit_s=0.0),  # aged up a class
+        job("be-new", priority="best_effort", tp=1, dp=2, dp_min=1, dp_max=2, submit_s=4_900.0),
+    ]
+    state = PlanningPass(snapshot(cluster(), jobs), 5_000.0, config)
+    groups = {j.name: admission._quiet_group(state, state.jobs[j.name]) for j in jobs}
+    assert groups == {"fresh": (4, 1, 1, False), "long": (4, 1, 1, True),
+                      "be-old": (1, 1, 2, False), "be-new": (1, 2, 2, False)}
+    assert admission._quiet_groups(state) == {}
+    assert admission._quiet_groups(PlanningPass(snapshot(cluster(), jobs), 5_000.0, PlannerConfig())) is None
