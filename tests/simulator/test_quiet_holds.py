@@ -130,3 +130,34 @@ def test_the_quiet_walk_by_groups_decides_every_pass_as_the_walk_job_by_job(
     simulate(parse_scenario(data), policy)
     assert counts["passes"] > 100 and counts["held"] > counts["passes"] // 4, counts
 
+
+@pytest.mark.parametrize("teams", (False, True))
+@pytest.mark.parametrize("policy", ("slurm", "kueue", "elastic"))
+def test_the_peers_walk_by_shape_decides_as_their_walk_job_by_job(
+        policy: str, teams: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``PeerPass.walk_queue`` skips whole shapes while they are hopeless; the walk it stands for
+    # keys and sorts every waiting job and skips each job of a hopeless shape as it reaches it.
+    from jobs.simulator.peers.common import PeerPass
+
+    data = queued_scenario(5, jobs_n=240, switches=4)
+    if teams:
+        data["teams"] = [{"name": "vision", "quota_gpus": 24}, {"name": "speech", "quota_gpus": 24, "borrow_limit_gpus": 8},
+                         {"name": "infra", "quota_gpus": 16}]
+        for i, job in enumerate(data["jobs"]):
+            if job["priority"] != "critical" and i % 4:
+                job["team"] = ("vision", "speech", "infra")[i % 3]
+    scenario = parse_scenario(data)
+    by_shape = simulate(scenario, policy)
+    skips = {"n": 0}
+
+    def walk_job_by_job(self, key, decide, grouped=True):
+        for job in sorted(self.waiting(), key=key):
+            if self.hopeless(job, *self.size_range(job)):
+                skips["n"] += 1
+                self.skip(job)
+            else:
+                decide(job)
+
+    monkeypatch.setattr(PeerPass, "walk_queue", walk_job_by_job)
+    assert _figures(simulate(scenario, policy)) == _figures(by_shape)
+    assert skips["n"] > 1000, skips  # the queue was long and hopeless shapes were skipped

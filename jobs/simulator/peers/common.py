@@ -21,6 +21,7 @@ from jobs.planner.core import team_reservation_owner
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active
 from jobs.planner.layout import accum_steps, batch_divides
+from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import (
     PRIORITY_RANK,
@@ -316,6 +317,31 @@ class PeerPass:
 
     def _shape(self, job: Job, low: int, high: int) -> tuple:
         return ("hopeless", job.priority, job.team, job.tp, job.pp, job.dp, low, high)
+
+    def walk_queue(self, key: Callable[[Job], tuple], decide: Callable[[Job], Any], grouped: bool = True) -> None:
+        """``decide`` the waiting jobs in the order of ``key``, but those of a ``hopeless`` shape.
+
+        With ``grouped``, jobs that hold and reserve nothing are walked by shape (``queue_walk``):
+        ``key`` must order the jobs of one shape by submit time, and read nothing the pass changes
+        (it keys a job when the walk reaches it). A hopeless shape is shut, and the jobs of it
+        that the walk passes wait with nothing to record: the one that found nothing was held,
+        its class counted as blocked. The walk job by job, which keys and sorts every job and
+        skips each of a hopeless shape, decides the same (``tests/simulator/test_quiet_holds.py``).
+        """
+        others: list[tuple[tuple, Job]] = []
+        groups: dict[tuple, list[tuple[float, str, Job]]] = {}
+        for job in self.waiting():
+            if not grouped or job.holdings or job.name in self.res_of_job:
+                others.append((key(job), job))
+            else:
+                groups.setdefault(self._shape(job, *self.size_range(job)), []).append((job.submit_s, job.name, job))
+        others.sort()
+
+        def shut_now() -> Callable[[tuple], bool]:
+            stamp = (self.generation, len(self.acted))
+            return lambda shape: self._memo.get(shape) == stamp
+
+        walk_by_groups(others, groups, lambda shape, m: key(m[2]), shut_now, decide)
 
     def hopeless(self, job: Job, low: int, high: int) -> bool:
         """Whether a job of this shape already found nothing in this pass, with nothing decided since."""

@@ -101,6 +101,10 @@ class SlurmPass(PeerPass):
             u = t.usage_gpu_s / total_usage if total_usage > 0 else 0.0
             s = shares[t.name] / total_shares
             self.fairshare[t.name] = 2.0 ** (-u / s) if s > 0 else 0.0
+        # EASY backfill: when the first job that cannot start could (its shadow time), and the
+        # GPUs free then beyond its need, which later jobs may use.
+        self.shadow_s: float | None = None
+        self.spare = 0
 
     def priority(self, job: Job) -> float:
         """The multifactor priority within the job's tier."""
@@ -112,46 +116,51 @@ class SlurmPass(PeerPass):
         """Whether a SIGTERM'd job can save within ``GraceTime`` (else SIGKILL finds it unsaved)."""
         return job.checkpoint.save_s + 2 * step_time_at(job, max(1, job.current_dp)) <= self.slurm.grace_time_s
 
+    def queue_key(self, job: Job) -> tuple:
+        """Scheduling order: entitled jobs first, then by tier, multifactor priority, submit time."""
+        return (0 if self.entitled_gpus(job) else 1, PRIORITY_RANK[job.priority], -self.priority(job),
+                job.submit_s, job.name)
+
     def schedule(self) -> None:
         self.drains()
-        queue = sorted(self.waiting(), key=lambda j: (
-            0 if self.entitled_gpus(j) else 1, PRIORITY_RANK[j.priority], -self.priority(j), j.submit_s, j.name))
-        shadow_s: float | None = None
-        spare = 0
-        for job in queue:
-            low, high = self.size_range(job)
-            if shadow_s is not None and self.hopeless(job, low, high):
-                self.skip(job)
-                continue
-            layout = self.fit_largest(job, low, high, job.gpus)
-            no_fit = layout is None
-            if layout is not None and shadow_s is not None:
-                runs_s = est_remaining_s(job, len(layout) // job.replica_gpus)
-                if self.now + runs_s > shadow_s + 1e-6:
-                    if len(layout) - len(job.gpus) <= spare:
-                        spare -= len(layout) - len(job.gpus)
-                    else:
-                        layout = None
-            if layout is not None:
-                rule = "slurm.backfill" if shadow_s is not None else "slurm.schedule"
-                self.start(job, layout, rule, f"Starts on {len(layout)} GPUs "
-                           f"({'backfilled: it does not delay the reserved job' if shadow_s is not None else 'in priority order'}).",
-                           priority=round(self.priority(job), 3))
-                continue
-            if self.wait_for_release(job, low, high):
-                continue
-            if self.preempt_for(job, low, high):
-                continue
-            self.release_survivors(job)
-            if no_fit:
-                self.mark_hopeless(job, low, high)
-            if shadow_s is None:
-                shadow_s, spare = self.shadow(job, low)
-                text = ("Waits for GPUs; it holds the backfill reservation"
-                        + (f" from t={shadow_s:.0f}s." if shadow_s < INFINITY else "."))
-            else:
-                text = BEHIND
-            self.hold(job, "capacity", text, gpus_needed=low * job.replica_gpus)
+        # Within a shape (same class and fair share) priority order is submit order, older first.
+        # No shape is hopeless before the backfill reservation: the first job that finds nothing
+        # takes it.
+        self.walk_queue(self.queue_key, self.decide)
+
+    def decide(self, job: Job) -> None:
+        """Start, backfill, preempt for or hold one job of the queue, in order."""
+        low, high = self.size_range(job)
+        shadow_s = self.shadow_s
+        layout = self.fit_largest(job, low, high, job.gpus)
+        no_fit = layout is None
+        if layout is not None and shadow_s is not None:
+            runs_s = est_remaining_s(job, len(layout) // job.replica_gpus)
+            if self.now + runs_s > shadow_s + 1e-6:
+                if len(layout) - len(job.gpus) <= self.spare:
+                    self.spare -= len(layout) - len(job.gpus)
+                else:
+                    layout = None
+        if layout is not None:
+            rule = "slurm.backfill" if shadow_s is not None else "slurm.schedule"
+            self.start(job, layout, rule, f"Starts on {len(layout)} GPUs "
+                       f"({'backfilled: it does not delay the reserved job' if shadow_s is not None else 'in priority order'}).",
+                       priority=round(self.priority(job), 3))
+            return
+        if self.wait_for_release(job, low, high):
+            return
+        if self.preempt_for(job, low, high):
+            return
+        self.release_survivors(job)
+        if no_fit:
+            self.mark_hopeless(job, low, high)
+        if shadow_s is None:
+            self.shadow_s, self.spare = self.shadow(job, low)
+            text = ("Waits for GPUs; it holds the backfill reservation"
+                    + (f" from t={self.shadow_s:.0f}s." if self.shadow_s < INFINITY else "."))
+        else:
+            text = BEHIND
+        self.hold(job, "capacity", text, gpus_needed=low * job.replica_gpus)
 
     def shadow(self, job: Job, low: int) -> tuple[float, int]:
         """When the reserved job could start (running jobs ending at their exact run times) and the
