@@ -244,7 +244,14 @@ class TeamLedger:
                         mine_v[g.node] = mine_v.get(g.node, 0) + 1
                     for node, n in mine_v.items():
                         cand[node] = cand.get(node, 0) + min(n, give[v.spec.name])
-                fitting = [j for j in mine if _fits(j, free, cand, avail)]
+                fits: dict[tuple[int, int], bool] = {}  # by TP and TP groups: most of a queue shares a few shapes
+                fitting = []
+                for j in mine:
+                    shape = (j.spec.tp, j.spec.pp * j.spec.dp_min)
+                    if shape not in fits:
+                        fits[shape] = _fits(j, free, cand, avail)
+                    if fits[shape]:
+                        fitting.append(j)
                 if not fitting:
                     continue
                 slow = max(sim.speed.values())
