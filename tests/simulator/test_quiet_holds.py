@@ -44,6 +44,17 @@ def queued_scenario(seed: int, jobs_n: int = 90, switches: int = 2) -> dict:
     }
 
 
+def with_teams(data: dict, quota_gpus: tuple[int, int, int], borrow_limit_gpus: int) -> dict:
+    """``data`` with three teams (the second with a borrowing limit) owning three jobs in four."""
+    data["teams"] = [{"name": "vision", "quota_gpus": quota_gpus[0]},
+                     {"name": "speech", "quota_gpus": quota_gpus[1], "borrow_limit_gpus": borrow_limit_gpus},
+                     {"name": "infra", "quota_gpus": quota_gpus[2]}]
+    for i, job in enumerate(data["jobs"]):
+        if job["priority"] != "critical" and i % 4:
+            job["team"] = ("vision", "speech", "infra")[i % 3]
+    return data
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_long_queue_is_decided_the_same_with_holds_worded_or_not(policy: str) -> None:
     scenario = parse_scenario(queued_scenario(7))
@@ -57,13 +68,7 @@ def test_a_long_queue_is_decided_the_same_with_holds_worded_or_not(policy: str) 
 def test_a_long_queue_of_teams_is_decided_the_same_with_holds_worded_or_not(policy: str) -> None:
     # Quotas and a borrowing limit: reclaims for a team below its quota, and jobs held at their
     # team's limit whatever is free, are decided in the quiet pass too.
-    data = queued_scenario(11)
-    data["teams"] = [{"name": "vision", "quota_gpus": 12}, {"name": "speech", "quota_gpus": 12, "borrow_limit_gpus": 4},
-                     {"name": "infra", "quota_gpus": 4}]
-    for i, job in enumerate(data["jobs"]):
-        if job["priority"] != "critical" and i % 4:
-            job["team"] = ("vision", "speech", "infra")[i % 3]
-    scenario = parse_scenario(data)
+    scenario = parse_scenario(with_teams(queued_scenario(11), quota_gpus=(12, 12, 4), borrow_limit_gpus=4))
     quiet = simulate(scenario, policy)
     worded = simulate(scenario, policy, record_events=True)
     assert any(e["kind"] == "hold" and "team" in e["reason"]["text"] for e in worded["events"])
@@ -140,13 +145,7 @@ def test_the_peers_walk_by_shape_decides_as_their_walk_job_by_job(
     from jobs.simulator.peers.common import PeerPass
 
     data = queued_scenario(5, jobs_n=240, switches=4)
-    if teams:
-        data["teams"] = [{"name": "vision", "quota_gpus": 24}, {"name": "speech", "quota_gpus": 24, "borrow_limit_gpus": 8},
-                         {"name": "infra", "quota_gpus": 16}]
-        for i, job in enumerate(data["jobs"]):
-            if job["priority"] != "critical" and i % 4:
-                job["team"] = ("vision", "speech", "infra")[i % 3]
-    scenario = parse_scenario(data)
+    scenario = parse_scenario(with_teams(data, quota_gpus=(24, 24, 16), borrow_limit_gpus=8) if teams else data)
     by_shape = simulate(scenario, policy)
     skips = {"n": 0}
 
