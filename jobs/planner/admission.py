@@ -91,6 +91,10 @@ def admit_waiting(state: PlanningPass) -> None:
     lost = lost_nodes(state)
     groups = _quiet_groups(state)
     for job in state.jobs.values():
+        # A plain waiter takes the short way to its group: what ``in_queue`` and the holds below
+        # would ask of it comes down to these two tests (this loop visits every waiting job of
+        # every pass; through ``in_queue``, ``queue_key`` and the holds, kill_preempt's week
+        # replays 13% slower).
         if groups is not None and _plain(state, job):
             if job.name in state.busy or job.name in state.acted or state._fit_problems(job):
                 continue  # not the queue's to decide, or can never fit (a hold says nothing here)
@@ -159,7 +163,7 @@ def _plain(state: PlanningPass, job: Job) -> bool:
             and job.priority != "critical" and job.name not in state.res_of_job)
 
 
-def _quiet_group(state: PlanningPass, job: Job) -> tuple[int, int, int, bool] | None:
+def _quiet_group(state: PlanningPass, job: Job) -> Group | None:
     """A plain waiter's group for ``_walk_quietly``: (GPUs at its smallest size, queue standing,
     class, long waiter), everything ``_waits_quietly`` reads of it without teams; None for a job
     with no valid size (``admit`` decides it)."""
@@ -169,7 +173,6 @@ def _quiet_group(state: PlanningPass, job: Job) -> tuple[int, int, int, bool] | 
     rank = PRIORITY_RANK[job.priority]
     aged = job.priority == "regular" and is_aged(job, state.now, state.config)
     return (sizes[0] * job.tp * job.pp, effective_rank(job, state.now, state.config), rank, aged)
-
 
 
 def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: dict[Group, list[Waiter]]) -> None:
@@ -198,6 +201,8 @@ def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: 
     def passed(sig: Group) -> None:
         state.capacity_blocked_rank = sig[2]
 
+    # A member's queue key is ``starvation.queue_key``'s, put together from its group and its
+    # (waiting since, name).
     walk_by_groups(others, groups, lambda sig, m: (TIER_OTHER, sig[1], sig[2], m[0], m[1]), shut_now,
                    state._admit, passed, heeds=lambda sig: sig[2] < state.capacity_blocked_rank)
 
