@@ -149,8 +149,8 @@ def test_the_peers_walk_by_shape_decides_as_their_walk_job_by_job(
     by_shape = simulate(scenario, policy)
     skips = {"n": 0}
 
-    def walk_job_by_job(self, key, decide, grouped=True):
-        for job in sorted(self.waiting(), key=key):
+    def walk_job_by_job(self, queue, key, decide, grouped=True):
+        for job in sorted(queue, key=key):
             if self.hopeless(job, *self.size_range(job)):
                 skips["n"] += 1
                 self.skip(job)

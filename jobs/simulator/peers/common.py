@@ -318,8 +318,10 @@ class PeerPass:
     def _shape(self, job: Job, low: int, high: int) -> tuple:
         return ("hopeless", job.priority, job.team, job.tp, job.pp, job.dp, low, high)
 
-    def walk_queue(self, key: Callable[[Job], tuple], decide: Callable[[Job], Any], grouped: bool = True) -> None:
-        """``decide`` the waiting jobs in the order of ``key``, but those of a ``hopeless`` shape.
+    def walk_queue(self, queue: Iterable[Job], key: Callable[[Job], tuple], decide: Callable[[Job], Any],
+                   grouped: bool = True) -> None:
+        """``decide`` the jobs of ``queue`` (``waiting()``) in the order of ``key``, but those of a
+        ``hopeless`` shape.
 
         With ``grouped``, jobs that hold and reserve nothing are walked by shape (``queue_walk``):
         ``key`` must order the jobs of one shape by submit time, and read nothing the pass changes
@@ -330,7 +332,7 @@ class PeerPass:
         """
         others: list[tuple[tuple, Job]] = []
         groups: dict[tuple, list[tuple[float, str, Job]]] = {}
-        for job in self.waiting():
+        for job in queue:
             if not grouped or job.holdings or job.name in self.res_of_job:
                 others.append((key(job), job))
             else:

@@ -50,8 +50,8 @@ class ElasticPass(PeerPass):
 
     def schedule(self) -> None:
         self.drains(shrink=True)
-        self.walk_queue(lambda j: (0 if self.entitled_gpus(j) else 1, PRIORITY_RANK[j.priority], j.submit_s, j.name),
-                        self.admit)
+        self.walk_queue(self.waiting(), lambda j: (0 if self.entitled_gpus(j) else 1, PRIORITY_RANK[j.priority],
+                                                   j.submit_s, j.name), self.admit)
         self.grow()
 
     def size_range(self, job: Job) -> tuple[int, int]:

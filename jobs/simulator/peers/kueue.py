@@ -77,13 +77,14 @@ class KueuePass(PeerPass):
         # The queue's order is the one it has as the pass starts: whether admitting a job keeps its
         # ClusterQueue within its nominal quota is read per (team, smallest size) before any
         # admission changes the book (the walk keys jobs as it reaches them).
+        queue = self.waiting()
         nominal: dict[tuple[str | None, int], bool] = {}
-        for job in self.waiting():
+        for job in queue:
             need = job.dp_min * job.replica_gpus
             if (job.team, need) not in nominal:
                 nominal[(job.team, need)] = self.within_nominal(job, need)
         # Worded holds say why each job waits (quota or capacity): then every job is visited.
-        self.walk_queue(lambda j: (
+        self.walk_queue(queue, lambda j: (
             0 if self.entitled_gpus(j) else 1,
             0 if nominal[(j.team, j.dp_min * j.replica_gpus)] else 1,
             PRIORITY_RANK[j.priority], j.submit_s, j.name), self.admit, grouped=not self.config.explain_holds)

@@ -126,7 +126,7 @@ class SlurmPass(PeerPass):
         # Within a shape (same class and fair share) priority order is submit order, older first.
         # No shape is hopeless before the backfill reservation: the first job that finds nothing
         # takes it.
-        self.walk_queue(self.queue_key, self.decide)
+        self.walk_queue(self.waiting(), self.queue_key, self.decide)
 
     def decide(self, job: Job) -> None:
         """Start, backfill, preempt for or hold one job of the queue, in order."""
