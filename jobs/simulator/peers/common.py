@@ -37,6 +37,11 @@ from jobs.planner.topology import choose_gpus
 INFINITY = math.inf
 T = TypeVar("T")
 
+#: Per peer class, by ``id`` of a job snapshot: (the job, its shape, its group member) for
+#: ``walk_queue``. The job is kept, so an ``id`` is not reused while its entry stands; the memo is
+#: cleared when it outgrows the jobs in sight.
+_PLAIN_SHAPES: dict[type, dict[int, tuple[Job, tuple, tuple[float, str, Job]]]] = {}
+
 
 @dataclass(slots=True)
 class Option:
@@ -99,7 +104,12 @@ class PeerPass:
         for res in self.reservations:
             if res.nodes and res.job:
                 self.pool_nodes.setdefault(res.job, set()).update(res.nodes)
-        self.owner: dict[Gpu, str] = {g: j.name for j in self.jobs.values() for g in j.gpus}
+        self.owner: dict[Gpu, str] = {}
+        for j in self.jobs.values():
+            if j.holdings:  # most of a long queue holds nothing
+                name = j.name
+                for h in j.holdings:
+                    self.owner[h.gpu] = name
         held: dict[str, set[int]] = {}
         for g in self.owner:
             held.setdefault(g.node, set()).add(g.index)
@@ -157,9 +167,10 @@ class PeerPass:
 
     def waiting(self) -> list[Job]:
         """Jobs that want GPUs now: waiting (or recovering from a fault), not between windows."""
+        busy, acted, reserving = self.busy, self.acted, self.res_of_job
         return [j for j in self.jobs.values()
-                if (j.phase in WAITING_PHASES or j.phase == "recovering") and j.name not in self.busy
-                and j.name not in self.acted and not j.parked and not self.dormant(j)]
+                if (j.phase in WAITING_PHASES or j.phase == "recovering") and j.name not in busy
+                and j.name not in acted and not j.parked and (j.name not in reserving or not self.dormant(j))]
 
     def running(self) -> list[Job]:
         """Jobs holding GPUs with no stop in flight and nothing decided in this pass (kept until
@@ -332,11 +343,24 @@ class PeerPass:
         """
         others: list[tuple[tuple, Job]] = []
         groups: dict[tuple, list[tuple[float, str, Job]]] = {}
+        reserving = self.res_of_job
+        memo = _PLAIN_SHAPES.setdefault(type(self), {})
+        if len(memo) > 4 * len(self.jobs) + 1024:
+            memo.clear()
         for job in queue:
-            if not grouped or job.holdings or job.name in self.res_of_job:
+            if not grouped or job.holdings or job.name in reserving:
                 others.append((key(job), job))
+                continue
+            # A plain waiter's shape and member read nothing of the pass (it is entitled to
+            # nothing): kept per job snapshot, which the simulator reuses while the job stands.
+            hit = memo.get(id(job))
+            if hit is None or hit[0] is not job:
+                hit = memo[id(job)] = (job, self._shape(job, *self.size_range(job)), (job.submit_s, job.name, job))
+            members = groups.get(hit[1])
+            if members is None:
+                groups[hit[1]] = [hit[2]]
             else:
-                groups.setdefault(self._shape(job, *self.size_range(job)), []).append((job.submit_s, job.name, job))
+                members.append(hit[2])
         others.sort()
 
         def shut_now() -> Callable[[tuple], bool]:
