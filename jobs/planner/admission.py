@@ -54,6 +54,14 @@ TIER_OTHER = 3
 # standing, class, long waiter), and each member as (waiting since, name, job).
 Group = tuple[int, int, int, bool]
 Waiter = tuple[float, str, Job]
+# What ``_quiet_group`` reads of a plain waiter itself: (GPUs at its smallest size or None, class
+# rank, regular, waiting since, its member of a group).
+PlainWaiter = tuple[int | None, int, bool, float, Waiter]
+#: By ``id`` of a job snapshot: (the job, ``_plain_waiter(job)``), for every pass that walks by
+#: groups (the simulator reuses a job's snapshot while the job stands; a snapshot never changes).
+#: The job is kept, so an ``id`` is not reused while its entry stands; cleared when it outgrows
+#: the jobs in sight.
+_PLAIN_WAITERS: dict[int, tuple[Job, PlainWaiter | None]] = {}
 # The hold cause of a job that can never run on this cluster as it is (pages show it no ETA).
 CANNOT_FIT = "cannot_fit"
 
@@ -90,18 +98,28 @@ def admit_waiting(state: PlanningPass) -> None:
     waiting: list[tuple[tuple, int, tuple, Job]] = []  # (key, arrival, queue_key, job)
     lost = lost_nodes(state)
     groups = _quiet_groups(state)
+    if groups is not None and len(_PLAIN_WAITERS) > 4 * len(state.jobs) + 1024:
+        _PLAIN_WAITERS.clear()
+    now, ageing_s, reserving = state.now, state.config.ageing_s, state.res_of_job
     for job in state.jobs.values():
         # A plain waiter takes the short way to its group: what ``in_queue`` and the holds below
         # would ask of it comes down to these two tests (this loop visits every waiting job of
         # every pass; through ``in_queue``, ``queue_key`` and the holds, kill_preempt's week
         # replays 13% slower).
-        if groups is not None and _plain(state, job):
-            if job.name in state.busy or job.name in state.acted or state._fit_problems(job):
-                continue  # not the queue's to decide, or can never fit (a hold says nothing here)
-            if (sig := _quiet_group(state, job)) is not None:
-                since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
-                groups.setdefault(sig, []).append((since, job.name, job))
-                continue
+        if groups is not None:
+            hit = _PLAIN_WAITERS.get(id(job))
+            if hit is None or hit[0] is not job:
+                hit = _PLAIN_WAITERS[id(job)] = (job, _plain_waiter(job))
+            if hit[1] is not None and job.name not in reserving:
+                if job.name in state.busy or job.name in state.acted or state._fit_problems(job):
+                    continue  # not the queue's to decide, or can never fit (a hold says nothing here)
+                if hit[1][0] is not None:
+                    sig = _group_at(hit[1], now, ageing_s)
+                    if (members := groups.get(sig)) is None:
+                        groups[sig] = [hit[1][4]]
+                    else:
+                        members.append(hit[1][4])
+                    continue
         if not in_queue(state, job, lost):
             continue
         if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
@@ -156,23 +174,38 @@ def _quiet_groups(state: PlanningPass) -> dict[Group, list[Waiter]] | None:
     return {} if not state.explain and not state.teams and type(state)._tier is queue_tier else None
 
 
-def _plain(state: PlanningPass, job: Job) -> bool:
-    """Whether ``job`` is a plain waiter: waiting for its first GPUs (or again after a stop),
-    not critical, reserving and lending nothing. Its queue tier is ``TIER_OTHER``."""
-    return (not job.holdings and not job.parked and job.phase in WAITING_PHASES
-            and job.priority != "critical" and job.name not in state.res_of_job)
+def _plain_waiter(job: Job) -> PlainWaiter | None:
+    """What a quiet pass reads of a plain waiter (``_quiet_group``), or None for a job that is
+    not one by itself: one that holds or lends GPUs, is not waiting, or is critical."""
+    if job.holdings or job.parked or job.phase not in WAITING_PHASES or job.priority == "critical":
+        return None
+    sizes = valid_dps(job)
+    since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
+    return (sizes[0] * job.tp * job.pp if sizes else None, PRIORITY_RANK[job.priority],
+            job.priority == "regular", since, (since, job.name, job))
+
+
+def _group_at(entry: PlainWaiter, now_s: float, ageing_s: float) -> Group:
+    """A plain waiter's group at ``now_s``: its standing is ``starvation.effective_rank`` (its
+    class is never critical) and it is a long waiter as ``starvation.is_aged`` says."""
+    need, rank, regular, since, _ = entry
+    waited = now_s - since
+    if waited < 0.0:
+        waited = 0.0
+    standing = max(1, rank - int(waited // ageing_s)) if ageing_s > 0 else rank
+    return (need, standing, rank, regular and waited >= ageing_s)
 
 
 def _quiet_group(state: PlanningPass, job: Job) -> Group | None:
     """A plain waiter's group for ``_walk_quietly``: (GPUs at its smallest size, queue standing,
     class, long waiter), everything ``_waits_quietly`` reads of it without teams; None for a job
-    with no valid size (``admit`` decides it)."""
-    sizes = valid_dps(job)
-    if not sizes:
+    that is not a plain waiter (waiting for its first GPUs, or again after a stop, not critical,
+    reserving and lending nothing; its queue tier is ``TIER_OTHER``) or has no valid size
+    (``admit`` decides it)."""
+    entry = _plain_waiter(job)
+    if entry is None or entry[0] is None or job.name in state.res_of_job:
         return None
-    rank = PRIORITY_RANK[job.priority]
-    aged = job.priority == "regular" and is_aged(job, state.now, state.config)
-    return (sizes[0] * job.tp * job.pp, effective_rank(job, state.now, state.config), rank, aged)
+    return _group_at(entry, state.now, state.config.ageing_s)
 
 
 def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: dict[Group, list[Waiter]]) -> None:

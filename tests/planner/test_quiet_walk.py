@@ -130,3 +130,30 @@ def test_a_plain_waiter_is_grouped_by_its_smallest_size_its_standing_its_class_a
                       "be-old": (1, 1, 2, False), "be-new": (1, 2, 2, False)}
     assert admission._quiet_groups(state) == {}
     assert admission._quiet_groups(PlanningPass(snapshot(cluster(), jobs), 5_000.0, PlannerConfig())) is None
+
+
+def test_a_plain_waiters_group_at_any_instant_is_its_standing_and_long_wait_as_starvation_says() -> None:
+    # ``_group_at`` works out a group from what ``_plain_waiter`` kept of the job: at every instant
+    # (either side of each ageing step, before it was queued, with ageing off) it must give
+    # ``starvation.effective_rank`` and ``is_aged``.
+    from jobs.planner.config import PlannerConfig
+    from jobs.planner.starvation import effective_rank, is_aged
+    from tests.planner.factory import job
+
+    rng = random.Random(7)
+    checked = 0
+    for ageing_s in (0.0, 600.0, 7200.0, 1234.5):
+        config = PlannerConfig(ageing_s=ageing_s)
+        for priority in ("regular", "best_effort"):
+            j = job("w", priority=priority, tp=2, dp=4, dp_min=2, dp_max=4, submit_s=1000.0)
+            entry = admission._plain_waiter(j)
+            assert entry is not None and entry[0] == 4
+            edges = [1000.0 + k * ageing_s + d for k in range(4) for d in (-1e-7, 0.0, 1e-7)]
+            for now in edges + [rng.uniform(0.0, 40_000.0) for _ in range(200)]:
+                want = (4, effective_rank(j, now, config), PRIORITY_RANK[priority],
+                        priority == "regular" and is_aged(j, now, config))
+                assert admission._group_at(entry, now, ageing_s) == want, (ageing_s, priority, now)
+                checked += 1
+    assert checked == 8 * 212
+    held = job("h", priority="critical", tp=2, dp=4, dp_min=2, dp_max=4)
+    assert admission._plain_waiter(held) is None
