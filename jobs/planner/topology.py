@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from jobs.planner.snapshot import Gpu, Node, Snapshot
+from jobs.planner.snapshot import Gpu, Job, Node, Snapshot
 
 
 def topology_distance(a: Node, b: Node) -> int:
@@ -56,6 +56,13 @@ def spread_of(gpus: Iterable[Gpu], nodes: Mapping[str, Node]) -> Spread:
     return Spread(len(names), len(switches), len(racks))
 
 
+#: By ``id`` of a job snapshot: (the job, its GPUs, its GPU indexes per node in holding order), for
+#: ``ClusterView`` (the simulator reuses a job's snapshot while it stands; a snapshot never
+#: changes). The job is kept, so an ``id`` is not reused while its entry stands; cleared when it
+#: outgrows the jobs in sight.
+_HELD: dict[int, tuple[Job, tuple[Gpu, ...], tuple[tuple[str, list[int]], ...]]] = {}
+
+
 class ClusterView:
     """Who holds which GPU and which GPUs are free, updated as a pass makes decisions.
 
@@ -76,10 +83,24 @@ class ClusterView:
                     self.zone_of_node[node] = res.name
         self.owner: dict[Gpu, str] = {}
         self.held_by_node: dict[str, set[int]] = {}
+        if len(_HELD) > 4 * len(snapshot.jobs) + 1024:
+            _HELD.clear()
         for job in snapshot.jobs:
-            for h in job.holdings:
-                self.owner[h.gpu] = job.name
-                self.held_by_node.setdefault(h.gpu.node, set()).add(h.gpu.index)
+            if not job.holdings:
+                continue
+            hit = _HELD.get(id(job))
+            if hit is None or hit[0] is not job:
+                by_node: dict[str, list[int]] = {}
+                for h in job.holdings:
+                    by_node.setdefault(h.gpu.node, []).append(h.gpu.index)
+                hit = _HELD[id(job)] = (job, tuple(h.gpu for h in job.holdings), tuple(by_node.items()))
+            self.owner.update(dict.fromkeys(hit[1], job.name))
+            for node, idx in hit[2]:
+                held = self.held_by_node.get(node)
+                if held is None:
+                    self.held_by_node[node] = set(idx)
+                else:
+                    held.update(idx)
         self.free: dict[str | None, dict[str, list[int]]] = {}
         self.zone_total: dict[str | None, int] = {}
         self._sw_groups: dict[tuple[str | None, int], dict[tuple[str, str], int]] = {}
