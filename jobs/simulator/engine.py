@@ -30,6 +30,7 @@ only when a job's hold cause changes.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -136,7 +137,14 @@ class Simulation:
         self.uncharged: set[Gpu] = set()  # held GPUs that do not count against their job's team's quota
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
-        self._active_sorted: list[SimJob] | None = None  # the active jobs by name, for snapshots
+        # What the last snapshot showed of the active jobs: their names in order, each one's view,
+        # and those that ``snapshot`` looks at again on every pass (holding, lending or stopping:
+        # their progress moves, and a stop's command stands); a waiting job's view is redone only
+        # once the job is touched (``_touch`` names it in ``_retouched``).
+        self._snap_names: list[str] = []
+        self._snap_view: dict[str, Job] = {}
+        self._snap_loud: set[str] = set()
+        self._retouched: set[str] = set()
         self.ever_parked: set[str] = set()  # jobs that have lent their GPUs for an idle phase
         self.heap: list[tuple[float, int, int, str, str, int]] = []
         self.seq = 0
@@ -210,6 +218,21 @@ class Simulation:
     def _touch(self, job: SimJob) -> None:
         job.version += 1
         self.state_version += 1
+        self._retouched.add(job.spec.name)
+
+    def _activate(self, name: str, active: bool) -> None:
+        """A job joins the active set (submitted) or leaves it (done, cancelled)."""
+        if active:
+            self.active_names.add(name)
+            bisect.insort(self._snap_names, name)
+            self._retouched.add(name)
+            return
+        self.active_names.discard(name)
+        i = bisect.bisect_left(self._snap_names, name)
+        if i < len(self._snap_names) and self._snap_names[i] == name:
+            del self._snap_names[i]
+        self._snap_view.pop(name, None)
+        self._snap_loud.discard(name)
 
     def entitled_job(self, res: Reservation) -> SimJob | None:
         """The job a reservation guarantees now: its own, or for a team's reservation the team's
@@ -567,8 +590,7 @@ class Simulation:
         self._own_pools(job, active=False)
         job.op = None
         job.epoch += 1
-        self.active_names.discard(job.spec.name)
-        self._active_sorted = None
+        self._activate(job.spec.name, False)
         if self.ledger is not None:
             self.ledger.runnable(job, added=False)
         self._record("complete", job.spec.name, steps_done=job.committed)
@@ -600,8 +622,7 @@ class Simulation:
         self._own_pools(job, active=True)
         job.activity = "waiting"
         job.queued_since = self.now
-        self.active_names.add(job.spec.name)
-        self._active_sorted = None
+        self._activate(job.spec.name, True)
         if self.ledger is not None:
             self.ledger.runnable(job, added=True)
         self._touch(job)
@@ -653,8 +674,7 @@ class Simulation:
                 job.end_s = self.now
                 self._own_pools(job, active=False)
                 job.epoch += 1
-                self.active_names.discard(job.spec.name)
-                self._active_sorted = None
+                self._activate(job.spec.name, False)
                 if self.ledger is not None:
                     self.ledger.runnable(job, added=False)
                 self._record("cancel", job.spec.name)
@@ -760,14 +780,14 @@ class Simulation:
                 for n in self.scenario.nodes
             )
         nodes = self._nodes_cache
-        if self._active_sorted is None:
-            self._active_sorted = [self.jobs[name] for name in sorted(self.active_names)]
-        active = self._active_sorted
-        snap_jobs: list[Job] = []
         parked: list[SimJob] = []
         with_op: list[SimJob] = []
         now = self.now
-        for job in active:
+        view, loud = self._snap_view, self._snap_loud
+        for name in sorted(loud | self._retouched) if self._retouched else sorted(loud):
+            if name not in self.active_names:
+                continue
+            job = self.jobs[name]
             # Like an agent's heartbeat, progress between milestones is reported at most every
             # SNAPSHOT_PROGRESS_S, and moves only while computing; any state change refreshes
             # the job's view at once.
@@ -776,12 +796,20 @@ class Simulation:
                     or (now - job.cached_at >= SNAPSHOT_PROGRESS_S
                         and (job.activity == "computing" or cached.committed_steps != job.committed))):
                 cached = self._snapshot_job(job)
-            snap_jobs.append(cached)
+            view[name] = cached
             if job.parked:
                 parked.append(job)
             if job.op is not None:
                 with_op.append(job)
-        jobs = tuple(snap_jobs)
+            # A waiting job with nothing lent and no stop in flight keeps its view until touched.
+            if job.activity == "waiting" and not job.parked and job.op is None:
+                loud.discard(name)
+            else:
+                loud.add(name)
+        self._retouched.clear()
+        jobs = tuple(map(view.__getitem__, self._snap_names))
+        if self.full_check:
+            self._check_snapshot(jobs, parked, with_op)
         # A team's reservation outlives its jobs: the planner resolves whom it guarantees.
         reservations = tuple(r for r in self.reservations if r.team or self.jobs[r.job].terminal is None)
         if parked:
@@ -798,6 +826,18 @@ class Simulation:
         )
         teams = self.ledger.snapshot_teams() if self.ledger is not None else ()
         return Snapshot(nodes, jobs, reservations, commands, teams=teams)
+
+    def _check_snapshot(self, jobs: tuple[Job, ...], parked: list[SimJob], with_op: list[SimJob]) -> None:
+        """Under ``full_check``: the views ``snapshot`` kept are every active job's, in name order,
+        each as current as a fresh look at every job would have it."""
+        active = [self.jobs[name] for name in sorted(self.active_names)]
+        stale = [j.spec.name for j in active if j.cached is None or j.cached_version != j.version or (
+            self.now - j.cached_at >= SNAPSHOT_PROGRESS_S
+            and (j.activity == "computing" or j.cached.committed_steps != j.committed))]
+        if stale or len(active) != len(jobs) or any(j.cached is not v for j, v in zip(active, jobs)):
+            raise RuntimeError(f"snapshot at t={self.now}: kept views out of date ({stale[:5]})")
+        if [j for j in active if j.parked] != parked or [j for j in active if j.op is not None] != with_op:
+            raise RuntimeError(f"snapshot at t={self.now}: lenders or stops in flight missed")
 
     def _plan(self) -> None:
         snap = self.snapshot()
