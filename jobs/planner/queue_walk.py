@@ -45,47 +45,54 @@ def walk_by_groups(
       ``heeds(g)`` (before the next job it decides, or at the end). ``heeds`` is asked first so
       that a group nobody heeds is not sorted to find out.
     """
-    at: dict[G, int] = {}  # per sorted group: how many of its jobs lie behind the walk
+    # Per sorted group: (how many of its jobs lie behind the walk, the queue key of the next one,
+    # or None when none is left). The walk only moves forward, so a next key still after the
+    # job decided last needs no search.
+    heads: dict[G, tuple[int, tuple | None]] = {}
 
-    def next_of(g: G, last: tuple | None) -> int:
-        # The index of the group's first job after the queue key ``last`` (sorting it first).
+    def head_of(g: G, last: tuple | None) -> tuple[int, tuple | None]:
+        # The group's first job after the queue key ``last`` (sorting the group first), and its key.
         members = groups[g]
-        lo = at.get(g)
-        if lo is None:
+        hit = heads.get(g)
+        if hit is None:
             members.sort()
             lo = 0
+        else:
+            lo, key = hit
+            if last is None or (key is not None and key > last):
+                return hit
         if last is not None:
             lo = bisect.bisect_right(members, last, lo=lo, key=lambda m: key_of(g, m))
-        at[g] = lo
-        return lo
+        hit = heads[g] = (lo, key_of(g, members[lo]) if lo < len(members) else None)
+        return hit
 
     head = 0
     last: tuple | None = None  # the queue key of the job decided last
     while True:
         shut = shut_now()
         best_key, best_job, best_group = (others[head] + (None,)) if head < len(others) else (None, None, None)
+        best_at = 0
         closed = []
         for g, members in groups.items():
             if shut(g):
                 closed.append(g)
                 continue
-            i = next_of(g, last)
-            if i < len(members):
-                key = key_of(g, members[i])
-                if best_key is None or key < best_key:
-                    best_key, best_job, best_group = key, members[i][-1], g
+            i, key = head_of(g, last)
+            if key is not None and (best_key is None or key < best_key):
+                best_key, best_job, best_group, best_at = key, members[i][-1], g, i
         if passed is not None:
             for g in closed:
                 if heeds(g):
-                    members = groups[g]
-                    i = next_of(g, last)
-                    if i < len(members) and (best_key is None or key_of(g, members[i]) < best_key):
+                    key = head_of(g, last)[1]
+                    if key is not None and (best_key is None or key < best_key):
                         passed(g)
         if best_job is None:
             return
         if best_group is None:
             head += 1
         else:
-            at[best_group] += 1
+            members = groups[best_group]
+            nxt = best_at + 1
+            heads[best_group] = (nxt, key_of(best_group, members[nxt]) if nxt < len(members) else None)
         last = best_key
         decide(best_job)
