@@ -210,11 +210,23 @@ def pool_gpus(state: PlanningPass, res: Reservation) -> tuple[int, list[Gpu]]:
         if state.view.zone_of_node.get(name) != res.name:
             continue
         healthy += node.gpus
+        gpus = _node_gpus(name, node.gpus)
         for i in sorted(state.view.held_by_node.get(name, ())):
-            g = Gpu(name, i)
+            g = gpus[i] if i < len(gpus) else Gpu(name, i)
             if g in state.view.owner:
                 held.append(g)
     return healthy, held
+
+
+#: Each node's ``Gpu`` values by index, made once (``pool_gpus`` reads every pool's on every pass).
+_NODE_GPUS: dict[str, tuple[Gpu, ...]] = {}
+
+
+def _node_gpus(name: str, count: int) -> tuple[Gpu, ...]:
+    hit = _NODE_GPUS.get(name)
+    if hit is None or len(hit) < count:
+        hit = _NODE_GPUS[name] = tuple(Gpu(name, i) for i in range(count))
+    return hit
 
 
 def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool: PoolState) -> None:
