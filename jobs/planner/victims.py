@@ -362,6 +362,13 @@ def take_from_victims(
     return True
 
 
+#: By ``id`` of a job snapshot: (the job, the config, its ``victim_sort_key`` when that reads
+#: nothing of the instant (an Omni job's), its nodes in holding order), for ``victim_pool`` (the
+#: simulator reuses a job's snapshot while it stands; a snapshot never changes). The job is
+#: kept, so an ``id`` is not reused while its entry stands; cleared when it outgrows the jobs.
+_VICTIM_FACTS: dict[int, tuple[Job, PlannerConfig, tuple | None, tuple[str, ...]]] = {}
+
+
 def victim_pool(state: PlanningPass) -> list[VictimEntry]:
     """Running non-critical jobs that could give GPUs back, in victim order.
 
@@ -374,14 +381,24 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
             if j.holdings and j.phase in ("running", "checkpointing") and j.name not in state.busy
             and PRIORITY_RANK[j.priority] > 0
         ]
-        pool.sort(key=lambda j: victim_sort_key(j, state.config, state.now))
+        config, now = state.config, state.now
+        if len(_VICTIM_FACTS) > 4 * len(state.jobs) + 1024:
+            _VICTIM_FACTS.clear()
+        facts: dict[str, tuple[Job, PlannerConfig, tuple | None, tuple[str, ...]]] = {}
+        for j in pool:
+            hit = _VICTIM_FACTS.get(id(j))
+            if hit is None or hit[0] is not j or hit[1] is not config:
+                hit = _VICTIM_FACTS[id(j)] = (j, config, None if j.signal else victim_sort_key(j, config),
+                                              tuple(dict.fromkeys(h.gpu.node for h in j.holdings)))
+            facts[j.name] = hit
+        pool.sort(key=lambda j: facts[j.name][2] or victim_sort_key(j, config, now))
         nodes = state.nodes
         state._victims_sorted = [
             VictimEntry(
                 job=j,
                 # GPUs on a node low on disk free nothing anyone may use: they do not count.
-                zones=frozenset(state.view.zone_of_node.get(h.gpu.node) for h in j.holdings
-                                if h.gpu.node not in nodes or not nodes[h.gpu.node].low_disk),
+                zones=frozenset(state.view.zone_of_node.get(n) for n in facts[j.name][3]
+                                if n not in nodes or not nodes[n].low_disk),
                 rank=PRIORITY_RANK[j.priority],
                 protected=protected_by_min_run(j, state.now),
                 excess=j.current_dp > j.dp,
