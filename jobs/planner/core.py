@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from operator import attrgetter
 
 from jobs.planner import admission, drains, faults, growth, harvest, quota, victims
 from jobs.planner.admission import TIER_OTHER
@@ -46,12 +45,12 @@ from jobs.planner.layout import accum_steps, fit_problems
 from jobs.planner.quota import TeamBook
 from jobs.planner.snapshot import (
     PLACEABLE_HEALTH,
-    TERMINAL_PHASES,
     WAITING_PHASES,
     Gpu,
     Job,
     Reservation,
     Snapshot,
+    live_jobs_by_name,
 )
 from jobs.planner.topology import ClusterView
 from jobs.planner.victims import VictimEntry
@@ -91,9 +90,7 @@ class PlanningPass:
         self.config = config
         self.kill = config.reclaim_mode == "kill"
         self.explain = config.explain_holds
-        self.jobs: dict[str, Job] = {
-            j.name: j for j in sorted(snapshot.jobs, key=attrgetter("name")) if j.phase not in TERMINAL_PHASES
-        }
+        self.jobs: dict[str, Job] = live_jobs_by_name(snapshot.jobs)
         self.busy: set[str] = {c.job for c in snapshot.commands}
         self.view = ClusterView(snapshot)
         self.nodes = self.view.nodes

@@ -11,7 +11,9 @@ in production. Nothing here assumes the clock starts at zero.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 PRIORITIES = ("critical", "regular", "best_effort")
@@ -123,6 +125,14 @@ class Rhythm:
     load_s: tuple[float, ...] = ()
 
 
+#: By ``id`` of a holdings tuple: (the tuple, its GPUs), for ``Job.gpus``, which every rule asks
+#: for over and over. Snapshots built from one another share a job's holdings tuple while its GPUs
+#: stand (the simulator's do), so its GPUs are listed once per layout. The tuple is kept, so an
+#: ``id`` is not reused while its entry stands.
+_GPUS_OF: dict[int, tuple[tuple[Holding, ...], tuple[Gpu, ...]]] = {}
+_GPUS_OF_MAX = 1 << 16
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """A training job: its spec, its layout and progress now, and its measured rhythm.
@@ -190,7 +200,17 @@ class Job:
     @property
     def gpus(self) -> tuple[Gpu, ...]:
         """The GPUs held now, in replica order."""
-        return tuple(h.gpu for h in self.holdings) if self.holdings else ()
+        held = self.holdings
+        if not held:
+            return ()
+        hit = _GPUS_OF.get(id(held))
+        if hit is not None and hit[0] is held:
+            return hit[1]
+        if len(_GPUS_OF) >= _GPUS_OF_MAX:
+            _GPUS_OF.clear()
+        gpus = tuple(h.gpu for h in held)
+        _GPUS_OF[id(held)] = (held, gpus)
+        return gpus
 
     @property
     def remaining_steps(self) -> int:
@@ -271,6 +291,19 @@ class Snapshot:
 
 
 # --- serialization ---------------------------------------------------------------------------
+
+
+_NAME = attrgetter("name")
+_PHASE = attrgetter("phase")
+
+
+def live_jobs_by_name(jobs: Iterable[Job]) -> dict[str, Job]:
+    """The jobs not over yet (``TERMINAL_PHASES``), by name in name order: every pass's index of
+    its snapshot's jobs (built without a Python-level step per job, as a long queue asks)."""
+    ordered = sorted(jobs, key=_NAME)
+    if not TERMINAL_PHASES.isdisjoint(map(_PHASE, ordered)):
+        ordered = [j for j in ordered if j.phase not in TERMINAL_PHASES]
+    return dict(zip(map(_NAME, ordered), ordered, strict=True))
 
 
 def _plain(value: Any) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from jobs.planner.snapshot import Gpu, Job, Node, Snapshot
+from jobs.planner.snapshot import Gpu, Holding, Node, Snapshot
 
 
 def topology_distance(a: Node, b: Node) -> int:
@@ -56,11 +56,11 @@ def spread_of(gpus: Iterable[Gpu], nodes: Mapping[str, Node]) -> Spread:
     return Spread(len(names), len(switches), len(racks))
 
 
-#: By ``id`` of a job snapshot: (the job, its GPUs, its GPU indexes per node in holding order), for
-#: ``ClusterView`` (the simulator reuses a job's snapshot while it stands; a snapshot never
-#: changes). The job is kept, so an ``id`` is not reused while its entry stands; cleared when it
-#: outgrows the jobs in sight.
-_HELD: dict[int, tuple[Job, tuple[Gpu, ...], tuple[tuple[str, list[int]], ...]]] = {}
+#: By ``id`` of a job's holdings tuple: (the tuple, its GPU indexes per node in holding order), for
+#: ``ClusterView`` (snapshots built from one another share a job's holdings while its GPUs stand,
+#: as ``Job.gpus`` notes). The tuple is kept, so an ``id`` is not reused while its entry stands;
+#: cleared when it outgrows the jobs in sight.
+_HELD: dict[int, tuple[tuple[Holding, ...], tuple[tuple[str, list[int]], ...]]] = {}
 
 
 class ClusterView:
@@ -86,16 +86,17 @@ class ClusterView:
         if len(_HELD) > 4 * len(snapshot.jobs) + 1024:
             _HELD.clear()
         for job in snapshot.jobs:
-            if not job.holdings:
+            held = job.holdings
+            if not held:
                 continue
-            hit = _HELD.get(id(job))
-            if hit is None or hit[0] is not job:
+            hit = _HELD.get(id(held))
+            if hit is None or hit[0] is not held:
                 by_node: dict[str, list[int]] = {}
-                for h in job.holdings:
+                for h in held:
                     by_node.setdefault(h.gpu.node, []).append(h.gpu.index)
-                hit = _HELD[id(job)] = (job, tuple(h.gpu for h in job.holdings), tuple(by_node.items()))
-            self.owner.update(dict.fromkeys(hit[1], job.name))
-            for node, idx in hit[2]:
+                hit = _HELD[id(held)] = (held, tuple(by_node.items()))
+            self.owner.update(dict.fromkeys(job.gpus, job.name))
+            for node, idx in hit[1]:
                 held = self.held_by_node.get(node)
                 if held is None:
                     self.held_by_node[node] = set(idx)

@@ -834,7 +834,7 @@ class Simulation:
         stale = [j.spec.name for j in active if j.cached is None or j.cached_version != j.version or (
             self.now - j.cached_at >= SNAPSHOT_PROGRESS_S
             and (j.activity == "computing" or j.cached.committed_steps != j.committed))]
-        if stale or len(active) != len(jobs) or any(j.cached is not v for j, v in zip(active, jobs)):
+        if stale or len(active) != len(jobs) or any(j.cached is not v for j, v in zip(active, jobs, strict=True)):
             raise RuntimeError(f"snapshot at t={self.now}: kept views out of date ({stale[:5]})")
         if [j for j in active if j.parked] != parked or [j for j in active if j.op is not None] != with_op:
             raise RuntimeError(f"snapshot at t={self.now}: lenders or stops in flight missed")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Any, TypeVar
 
 from jobs.planner.config import PlannerConfig
@@ -25,22 +24,22 @@ from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import (
     PRIORITY_RANK,
-    TERMINAL_PHASES,
     WAITING_PHASES,
     Gpu,
     Job,
     Reservation,
     Snapshot,
+    live_jobs_by_name,
 )
 from jobs.planner.topology import choose_gpus
 
 INFINITY = math.inf
 T = TypeVar("T")
 
-#: Per peer class, by ``id`` of a job snapshot: (the job, its shape, its group member) for
-#: ``walk_queue``. The job is kept, so an ``id`` is not reused while its entry stands; the memo is
-#: cleared when it outgrows the jobs in sight.
-_PLAIN_SHAPES: dict[type, dict[int, tuple[Job, tuple, tuple[float, str, Job]]]] = {}
+#: Per peer class: by ``id`` of a job snapshot, (the job, its shape, its group member) for
+#: ``walk_queue``; and each shape's one tuple. The job is kept, so an ``id`` is not reused while
+#: its entry stands; both are cleared when they outgrow the jobs in sight.
+_PLAIN_SHAPES: dict[type, tuple[dict[int, tuple[Job, tuple, tuple[float, str, Job]]], dict[tuple, tuple]]] = {}
 
 
 @dataclass(slots=True)
@@ -87,9 +86,7 @@ class PeerPass:
         self.now = float(now_s)
         self.config = config
         self.nodes = {n.name: n for n in snapshot.nodes}
-        self.jobs: dict[str, Job] = {
-            j.name: j for j in sorted(snapshot.jobs, key=attrgetter("name")) if j.phase not in TERMINAL_PHASES
-        }
+        self.jobs: dict[str, Job] = live_jobs_by_name(snapshot.jobs)
         self.busy = {c.job for c in snapshot.commands}
         self.reservations: list[Reservation] = [
             team_reservation_owner(r, self.jobs) for r in sorted(snapshot.reservations, key=lambda r: r.name)
@@ -107,9 +104,7 @@ class PeerPass:
         self.owner: dict[Gpu, str] = {}
         for j in self.jobs.values():
             if j.holdings:  # most of a long queue holds nothing
-                name = j.name
-                for h in j.holdings:
-                    self.owner[h.gpu] = name
+                self.owner.update(dict.fromkeys(j.gpus, j.name))
         held: dict[str, set[int]] = {}
         for g in self.owner:
             held.setdefault(g.node, set()).add(g.index)
@@ -330,7 +325,7 @@ class PeerPass:
         return ("hopeless", job.priority, job.team, job.tp, job.pp, job.dp, low, high)
 
     def walk_queue(self, queue: Iterable[Job], key: Callable[[Job], tuple], decide: Callable[[Job], Any],
-                   grouped: bool = True) -> None:
+                   grouped: bool = True, prepare: Callable[[list[Job]], None] | None = None) -> None:
         """``decide`` the jobs of ``queue`` (``waiting()``) in the order of ``key``, but those of a
         ``hopeless`` shape.
 
@@ -340,28 +335,37 @@ class PeerPass:
         that the walk passes wait with nothing to record: the one that found nothing was held,
         its class counted as blocked. The walk job by job, which keys and sorts every job and
         skips each of a hopeless shape, decides the same (``tests/simulator/test_quiet_holds.py``).
+
+        ``prepare``, if given, is called before the walk with the jobs keyed one by one and one job
+        of each shape (the jobs of a shape share their class, team and sizes).
         """
-        others: list[tuple[tuple, Job]] = []
-        groups: dict[tuple, list[tuple[float, str, Job]]] = {}
+        ungrouped: list[Job] = []
+        by_shape: dict[int, list[tuple[float, str, Job]]] = {}  # by id of the shape's one tuple
         reserving = self.res_of_job
-        memo = _PLAIN_SHAPES.setdefault(type(self), {})
+        memo, shapes = _PLAIN_SHAPES.setdefault(type(self), ({}, {}))
         if len(memo) > 4 * len(self.jobs) + 1024:
             memo.clear()
+            shapes.clear()
         for job in queue:
             if not grouped or job.holdings or job.name in reserving:
-                others.append((key(job), job))
+                ungrouped.append(job)
                 continue
             # A plain waiter's shape and member read nothing of the pass (it is entitled to
             # nothing): kept per job snapshot, which the simulator reuses while the job stands.
+            # Equal shapes are one tuple, so jobs are grouped by its id (no tuple hashed per job).
             hit = memo.get(id(job))
             if hit is None or hit[0] is not job:
-                hit = memo[id(job)] = (job, self._shape(job, *self.size_range(job)), (job.submit_s, job.name, job))
-            members = groups.get(hit[1])
+                shape = self._shape(job, *self.size_range(job))
+                hit = memo[id(job)] = (job, shapes.setdefault(shape, shape), (job.submit_s, job.name, job))
+            members = by_shape.get(id(hit[1]))
             if members is None:
-                groups[hit[1]] = [hit[2]]
+                by_shape[id(hit[1])] = [hit[2]]
             else:
                 members.append(hit[2])
-        others.sort()
+        groups = {memo[id(members[0][2])][1]: members for members in by_shape.values()}
+        if prepare is not None:
+            prepare(ungrouped + [members[0][2] for members in groups.values()])
+        others = sorted((key(job), job) for job in ungrouped)
 
         def shut_now() -> Callable[[tuple], bool]:
             stamp = (self.generation, len(self.acted))

@@ -77,17 +77,20 @@ class KueuePass(PeerPass):
         # The queue's order is the one it has as the pass starts: whether admitting a job keeps its
         # ClusterQueue within its nominal quota is read per (team, smallest size) before any
         # admission changes the book (the walk keys jobs as it reaches them).
-        queue = self.waiting()
         nominal: dict[tuple[str | None, int], bool] = {}
-        for job in queue:
-            need = job.dp_min * job.replica_gpus
-            if (job.team, need) not in nominal:
-                nominal[(job.team, need)] = self.within_nominal(job, need)
+
+        def freeze(jobs: list[Job]) -> None:
+            for job in jobs:  # the jobs keyed one by one, and one of each shape (same team and size)
+                need = job.dp_min * job.replica_gpus
+                if (job.team, need) not in nominal:
+                    nominal[(job.team, need)] = self.within_nominal(job, need)
+
         # Worded holds say why each job waits (quota or capacity): then every job is visited.
-        self.walk_queue(queue, lambda j: (
+        self.walk_queue(self.waiting(), lambda j: (
             0 if self.entitled_gpus(j) else 1,
             0 if nominal[(j.team, j.dp_min * j.replica_gpus)] else 1,
-            PRIORITY_RANK[j.priority], j.submit_s, j.name), self.admit, grouped=not self.config.explain_holds)
+            PRIORITY_RANK[j.priority], j.submit_s, j.name), self.admit, grouped=not self.config.explain_holds,
+            prepare=freeze)
 
     def admit(self, job: Job) -> None:
         low, high = self.size_range(job)
