@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 INFINITY = math.inf
 LOST_HEALTH = frozenset({"failed"})
+# The phases of the jobs the queue decides (``in_queue``), while no node is lost.
+QUEUE_PHASES = WAITING_PHASES | {"recovering"}
 
 # Queue tiers: lower goes first.
 TIER_ENTITLED = 0
@@ -101,7 +103,10 @@ def admit_waiting(state: PlanningPass) -> None:
     if groups is not None and len(_PLAIN_WAITERS) > 4 * len(state.jobs) + 1024:
         _PLAIN_WAITERS.clear()
     now, ageing_s, reserving = state.now, state.config.ageing_s, state.res_of_job
+    settled = not lost  # then only waiting and recovering jobs can be the queue's (``in_queue``)
     for job in state.jobs.values():
+        if settled and job.phase not in QUEUE_PHASES:
+            continue
         # A plain waiter takes the short way to its group: what ``in_queue`` and the holds below
         # would ask of it comes down to these two tests (this loop visits every waiting job of
         # every pass; through ``in_queue``, ``queue_key`` and the holds, kill_preempt's week
