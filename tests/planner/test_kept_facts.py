@@ -20,7 +20,7 @@ def test_a_jobs_gpus_are_its_holdings_gpus_however_many_layouts_come_and_go(monk
     monkeypatch.setattr(snapshot_module, "_GPUS_OF_MAX", 16)  # cleared over and over below
     rng = random.Random(3)
     layouts = []
-    for k in range(200):
+    for _ in range(200):
         gpus = [Gpu(f"n{rng.randrange(4)}", rng.randrange(8)) for _ in range(rng.randrange(1, 9))]
         layouts.append(tuple(Holding(g, "pool" if rng.random() < 0.2 else None) for g in gpus))
     for k in range(2000):
