@@ -18,7 +18,8 @@ decision. Not graceful (``kill_preempt``): stop now, lose every step since the l
 save. A failed node kills every job touching it the same way; whole replicas that survive
 stay held if they form a valid layout, so the planner can continue on them.
 
-The result dict, and what it measures: ``jobs.simulator.results``; the planner's actions
+The result dict, and what it measures: ``jobs.simulator.results``; the planner's view of the
+cluster each pass: ``jobs.simulator.views``; the planner's actions
 taken by the simulated agents: ``jobs.simulator.apply``.
 
 An audit record is ``{"t": float, **Action.to_audit()}`` (kind, job, gpus/nodes before and
@@ -30,7 +31,6 @@ only when a job's hold cause changes.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import random
@@ -48,13 +48,10 @@ from jobs.planner.layout import accum_steps, batch_divides, layout_problems, rep
 from jobs.planner.quota import charged_gpus
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import (
-    Command,
     Gpu,
-    Holding,
     Job,
     Node,
     Reservation,
-    Rhythm,
     Snapshot,
 )
 from jobs.simulator import results
@@ -63,11 +60,9 @@ from jobs.simulator.policies import POLICIES, QUOTA_POLICIES, planner_for
 from jobs.simulator.scenario import JobSpec, Scenario
 from jobs.simulator.state import EPS, Op, SimJob
 from jobs.simulator.teams import TeamLedger
+from jobs.simulator.views import PlannerView
 
 __all__ = ["POLICIES", "Simulation", "simulate", "stderr_progress"]
-#: Between milestones a job's step count reaches the planner at most this often.
-SNAPSHOT_PROGRESS_S = 300.0
-
 # Event kinds, with the order they are handled in at the same instant.
 EV_SCENARIO = 0
 EV_SUBMIT = 1
@@ -111,7 +106,6 @@ class Simulation:
         self.speed: dict[str, float] = {n: 1.0 for n in self.nodes}
         self.health: dict[str, str] = {n: "healthy" for n in self.nodes}
         self.jobs: dict[str, SimJob] = {}
-        self._nodes_cache: tuple[Node, ...] | None = None
         for spec in scenario.jobs:
             self.jobs[spec.name] = SimJob(spec=spec, rng=random.Random(f"{scenario.seed}:{spec.name}"))
         self.reservations = [
@@ -137,14 +131,7 @@ class Simulation:
         self.uncharged: set[Gpu] = set()  # held GPUs that do not count against their job's team's quota
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
-        # What the last snapshot showed of the active jobs: their names in order, each one's view,
-        # and those that ``snapshot`` looks at again on every pass (holding, lending or stopping:
-        # their progress moves, and a stop's command stands); a waiting job's view is redone only
-        # once the job is touched (``_touch`` names it in ``_retouched``).
-        self._snap_names: list[str] = []
-        self._snap_view: dict[str, Job] = {}
-        self._snap_loud: set[str] = set()
-        self._retouched: set[str] = set()
+        self.view = PlannerView()  # what the last snapshot showed
         self.ever_parked: set[str] = set()  # jobs that have lent their GPUs for an idle phase
         self.heap: list[tuple[float, int, int, str, str, int]] = []
         self.seq = 0
@@ -218,21 +205,16 @@ class Simulation:
     def _touch(self, job: SimJob) -> None:
         job.version += 1
         self.state_version += 1
-        self._retouched.add(job.spec.name)
+        self.view.touched.add(job.spec.name)
 
     def _activate(self, name: str, active: bool) -> None:
         """A job joins the active set (submitted) or leaves it (done, cancelled)."""
         if active:
             self.active_names.add(name)
-            bisect.insort(self._snap_names, name)
-            self._retouched.add(name)
-            return
-        self.active_names.discard(name)
-        i = bisect.bisect_left(self._snap_names, name)
-        if i < len(self._snap_names) and self._snap_names[i] == name:
-            del self._snap_names[i]
-        self._snap_view.pop(name, None)
-        self._snap_loud.discard(name)
+            self.view.join(name)
+        else:
+            self.active_names.discard(name)
+            self.view.leave(name)
 
     def entitled_job(self, res: Reservation) -> SimJob | None:
         """The job a reservation guarantees now: its own, or for a team's reservation the team's
@@ -630,7 +612,7 @@ class Simulation:
 
     def _on_scenario_event(self, index: int) -> None:
         ev = self.scenario.events[index]
-        self._nodes_cache = None  # health or speed may change
+        self.view.nodes = None  # health or speed may change
         self.state_version += 1
         if ev.kind == "node_down":
             self._node_down(ev.node or "")
@@ -734,110 +716,9 @@ class Simulation:
 
     # --- snapshot and plan ------------------------------------------------------------------------
 
-    def _snapshot_job(self, job: SimJob) -> Job:
-        # The planner's view of one job now (``snapshot`` keeps it while it is still true).
-        live = job.live_committed(self.now)
-        spec = job.spec
-        if job.activity == "parked":
-            phase = "preempted"
-        elif job.recovering and job.activity == "waiting":
-            phase = "recovering"
-        elif job.activity == "waiting":
-            phase = "preempted" if job.ever_started and not job.dormant else "pending"
-        elif job.activity == "saving":
-            phase = "checkpointing"
-        else:
-            phase = "running"
-        if job.cached is not None and job.cached_version == job.version:
-            holdings, rhythm = job.cached.holdings, job.cached.rhythm
-        else:
-            holdings = tuple(Holding(g, job.borrowed.get(g)) for g in job.gpus + job.incoming)
-            rhythm = Rhythm(tuple(job.ring), tuple(job.save_hist), tuple(job.load_hist))
-        snap = Job(
-            name=spec.name, priority=spec.priority, tp=spec.tp, pp=spec.pp, dp=spec.dp,
-            dp_min=spec.dp_min, dp_max=spec.dp_max, global_batch=spec.global_batch,
-            micro_batch=spec.micro_batch, total_steps=spec.total_steps, step_s=spec.step_s,
-            comm_fraction=spec.comm_fraction, checkpoint=spec.checkpoint, idle_phases=spec.idle_phases,
-            min_run_s=spec.min_run_s, submit_s=spec.submit_s, owner=spec.owner, phase=phase,
-            team=spec.team, committed_steps=live, last_checkpoint_step=job.last_ckpt_step,
-            last_checkpoint_s=job.last_ckpt_t, run_started_s=job.run_started,
-            last_resize_s=job.last_resize, queued_since_s=job.queued_since, holdings=holdings,
-            rhythm=rhythm,
-            preemptions=job.preemptions,
-            idle_until_s=job.idle_until,
-            parked=tuple(job.parked),
-        )
-        job.cached = snap
-        job.cached_version = job.version
-        job.cached_at = self.now
-        return snap
-
     def snapshot(self) -> Snapshot:
-        """The planner's view of the simulated cluster now."""
-        if self._nodes_cache is None:
-            self._nodes_cache = tuple(
-                Node(n.name, n.rack, n.switch, n.gpus, self.health[n.name], self.speed[n.name])
-                for n in self.scenario.nodes
-            )
-        nodes = self._nodes_cache
-        parked: list[SimJob] = []
-        with_op: list[SimJob] = []
-        now = self.now
-        view, loud = self._snap_view, self._snap_loud
-        for name in sorted(loud | self._retouched) if self._retouched else sorted(loud):
-            if name not in self.active_names:
-                continue
-            job = self.jobs[name]
-            # Like an agent's heartbeat, progress between milestones is reported at most every
-            # SNAPSHOT_PROGRESS_S, and moves only while computing; any state change refreshes
-            # the job's view at once.
-            cached = job.cached
-            if (cached is None or job.cached_version != job.version
-                    or (now - job.cached_at >= SNAPSHOT_PROGRESS_S
-                        and (job.activity == "computing" or cached.committed_steps != job.committed))):
-                cached = self._snapshot_job(job)
-            view[name] = cached
-            if job.parked:
-                parked.append(job)
-            if job.op is not None:
-                with_op.append(job)
-            # A waiting job with nothing lent and no stop in flight keeps its view until touched.
-            if job.activity == "waiting" and not job.parked and job.op is None:
-                loud.discard(name)
-            else:
-                loud.add(name)
-        self._retouched.clear()
-        jobs = tuple(map(view.__getitem__, self._snap_names))
-        if self.full_check:
-            self._check_snapshot(jobs, parked, with_op)
-        # A team's reservation outlives its jobs: the planner resolves whom it guarantees.
-        reservations = tuple(r for r in self.reservations if r.team or self.jobs[r.job].terminal is None)
-        if parked:
-            reservations += tuple(
-                Reservation(f"idle:{j.spec.name}", j.spec.name, len(j.parked),
-                            start_s=j.parked_until if j.parked_until is not None else self.now,
-                            nodes=tuple(sorted({g.node for g in j.parked})))
-                for j in parked
-            )
-        commands = tuple(
-            Command(j.op.cmd_id, j.spec.name, j.op.action_kind, j.op.deadline_s,
-                    tuple(g for g in j.gpus if g not in set(j.op.after)))
-            for j in with_op
-        )
-        teams = self.ledger.snapshot_teams() if self.ledger is not None else ()
-        return Snapshot(nodes, jobs, reservations, commands, teams=teams)
-
-    def _check_snapshot(self, jobs: tuple[Job, ...], parked: list[SimJob], with_op: list[SimJob]) -> None:
-        """Under ``full_check``: the views ``snapshot`` kept are every active job's, in name order,
-        each as current as a fresh look at every job would have it."""
-        active = [self.jobs[name] for name in sorted(self.active_names)]
-        stale = [j.spec.name for j in active if j.cached is None or j.cached_version != j.version or (
-            self.now - j.cached_at >= SNAPSHOT_PROGRESS_S
-            and (j.activity == "computing" or j.cached.committed_steps != j.committed))]
-        if stale or len(active) != len(jobs) or any(j.cached is not v for j, v in zip(active, jobs, strict=True)):
-            raise RuntimeError(f"snapshot at t={self.now}: kept views out of date ({stale[:5]})")
-        if [j for j in active if j.parked] != parked or [j for j in active if j.op is not None] != with_op:
-            raise RuntimeError(f"snapshot at t={self.now}: lenders or stops in flight missed")
+        """The planner's view of the simulated cluster now (``jobs.simulator.views``)."""
+        return self.view.snapshot(self)
 
     def _plan(self) -> None:
         snap = self.snapshot()

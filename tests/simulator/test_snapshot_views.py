@@ -1,5 +1,5 @@
 """The engine's snapshot keeps each waiting job's view between passes and looks again only at the
-jobs that hold, lend or stop, and those touched since (``Simulation.snapshot``). Under
+jobs that hold, lend or stop, and those touched since (``jobs.simulator.views``). Under
 ``full_check`` every pass compares what it kept with a fresh look at every active job."""
 
 from __future__ import annotations
