@@ -22,6 +22,7 @@ from jobs.planner.decisions import Action, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.faults import continue_on_survivors, surviving_replicas
 from jobs.planner.harvest import loan_notes, refused_loan_notes
+from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, valid_dps
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import reclaim_lead_time
@@ -59,11 +60,8 @@ Waiter = tuple[float, str, Job]
 # What ``_quiet_group`` reads of a plain waiter itself: (GPUs at its smallest size or None, class
 # rank, regular, waiting since, its member of a group).
 PlainWaiter = tuple[int | None, int, bool, float, Waiter]
-#: By ``id`` of a job snapshot: (the job, ``_plain_waiter(job)``), for every pass that walks by
-#: groups (the simulator reuses a job's snapshot while the job stands; a snapshot never changes).
-#: The job is kept, so an ``id`` is not reused while its entry stands; cleared when it outgrows
-#: the jobs in sight.
-_PLAIN_WAITERS: dict[int, tuple[Job, PlainWaiter | None]] = {}
+#: (job, ``_plain_waiter(job)``) per job snapshot, for every pass that walks by groups.
+_PLAIN_WAITERS = KeptById()
 # The hold cause of a job that can never run on this cluster as it is (pages show it no ETA).
 CANNOT_FIT = "cannot_fit"
 
@@ -100,8 +98,8 @@ def admit_waiting(state: PlanningPass) -> None:
     waiting: list[tuple[tuple, int, tuple, Job]] = []  # (key, arrival, queue_key, job)
     lost = lost_nodes(state)
     groups = _quiet_groups(state)
-    if groups is not None and len(_PLAIN_WAITERS) > 4 * len(state.jobs) + 1024:
-        _PLAIN_WAITERS.clear()
+    if groups is not None:
+        _PLAIN_WAITERS.trim(len(state.jobs))
     now, ageing_s, reserving = state.now, state.config.ageing_s, state.res_of_job
     settled = not lost  # then only waiting and recovering jobs can be the queue's (``in_queue``)
     for job in state.jobs.values():
@@ -114,7 +112,7 @@ def admit_waiting(state: PlanningPass) -> None:
         if groups is not None:
             hit = _PLAIN_WAITERS.get(id(job))
             if hit is None or hit[0] is not job:
-                hit = _PLAIN_WAITERS[id(job)] = (job, _plain_waiter(job))
+                hit = _PLAIN_WAITERS.keep(job, _plain_waiter(job))
             if hit[1] is not None and job.name not in reserving:
                 if job.name in state.busy or job.name in state.acted or state._fit_problems(job):
                     continue  # not the queue's to decide, or can never fit (a hold says nothing here)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from jobs.planner.config import PlannerConfig
+from jobs.planner.kept import KeptById
 from jobs.planner.snapshot import RHYTHM_WINDOW, Job
 
 
@@ -58,7 +59,7 @@ def step_time_at(job: Job, dp: int, base_step_s: float | None = None, base_dp: i
     return base * nominal_d / nominal_ref
 
 
-_CACHE: dict[int, tuple[Job, PlannerConfig, RhythmPrediction]] = {}
+_CACHE = KeptById()  # (job, config, prediction)
 
 
 def predict(job: Job, config: PlannerConfig) -> RhythmPrediction:
@@ -73,9 +74,7 @@ def predict(job: Job, config: PlannerConfig) -> RhythmPrediction:
         return hit[2]
     if len(_CACHE) > 50_000:
         _CACHE.clear()
-    result = _predict(job, config)
-    _CACHE[id(job)] = (job, config, result)
-    return result
+    return _CACHE.keep(job, config, _predict(job, config))[2]
 
 
 def _predict(job: Job, config: PlannerConfig) -> RhythmPrediction:

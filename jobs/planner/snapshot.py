@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, NamedTuple
 
+from jobs.planner.kept import KeptById
+
 PRIORITIES = ("critical", "regular", "best_effort")
 #: Lower rank = more important. Used for ordering queues and choosing victims.
 PRIORITY_RANK = {"critical": 0, "regular": 1, "best_effort": 2}
@@ -125,11 +127,9 @@ class Rhythm:
     load_s: tuple[float, ...] = ()
 
 
-#: By ``id`` of a holdings tuple: (the tuple, its GPUs), for ``Job.gpus``, which every rule asks
-#: for over and over. Snapshots built from one another share a job's holdings tuple while its GPUs
-#: stand (the simulator's do), so its GPUs are listed once per layout. The tuple is kept, so an
-#: ``id`` is not reused while its entry stands.
-_GPUS_OF: dict[int, tuple[tuple[Holding, ...], tuple[Gpu, ...]]] = {}
+#: (holdings tuple, its GPUs), for ``Job.gpus``, which every rule asks for over and over: a job's
+#: GPUs are listed once per layout (``kept``).
+_GPUS_OF = KeptById()
 _GPUS_OF_MAX = 1 << 16
 
 
@@ -208,9 +208,7 @@ class Job:
             return hit[1]
         if len(_GPUS_OF) >= _GPUS_OF_MAX:
             _GPUS_OF.clear()
-        gpus = tuple(h.gpu for h in held)
-        _GPUS_OF[id(held)] = (held, gpus)
-        return gpus
+        return _GPUS_OF.keep(held, tuple(h.gpu for h in held))[1]
 
     @property
     def remaining_steps(self) -> int:

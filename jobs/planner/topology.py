@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from jobs.planner.snapshot import Gpu, Holding, Node, Snapshot
+from jobs.planner.kept import KeptById
+from jobs.planner.snapshot import Gpu, Node, Snapshot
 
 
 def topology_distance(a: Node, b: Node) -> int:
@@ -56,11 +57,8 @@ def spread_of(gpus: Iterable[Gpu], nodes: Mapping[str, Node]) -> Spread:
     return Spread(len(names), len(switches), len(racks))
 
 
-#: By ``id`` of a job's holdings tuple: (the tuple, its GPU indexes per node in holding order), for
-#: ``ClusterView`` (snapshots built from one another share a job's holdings while its GPUs stand,
-#: as ``Job.gpus`` notes). The tuple is kept, so an ``id`` is not reused while its entry stands;
-#: cleared when it outgrows the jobs in sight.
-_HELD: dict[int, tuple[tuple[Holding, ...], tuple[tuple[str, list[int]], ...]]] = {}
+#: (a job's holdings tuple, its GPU indexes per node in holding order), for ``ClusterView``.
+_HELD = KeptById()
 
 
 class ClusterView:
@@ -83,8 +81,7 @@ class ClusterView:
                     self.zone_of_node[node] = res.name
         self.owner: dict[Gpu, str] = {}
         self.held_by_node: dict[str, set[int]] = {}
-        if len(_HELD) > 4 * len(snapshot.jobs) + 1024:
-            _HELD.clear()
+        _HELD.trim(len(snapshot.jobs))
         for job in snapshot.jobs:
             held = job.holdings
             if not held:
@@ -94,7 +91,7 @@ class ClusterView:
                 by_node: dict[str, list[int]] = {}
                 for h in held:
                     by_node.setdefault(h.gpu.node, []).append(h.gpu.index)
-                hit = _HELD[id(held)] = (held, tuple(by_node.items()))
+                hit = _HELD.keep(held, tuple(by_node.items()))
             self.owner.update(dict.fromkeys(job.gpus, job.name))
             for node, idx in hit[1]:
                 held = self.held_by_node.get(node)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
+from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of
 from jobs.planner.quota import ages, reclaim_candidates, reclaim_words
 from jobs.planner.rhythm import predict, stop_time_s
@@ -362,11 +363,9 @@ def take_from_victims(
     return True
 
 
-#: By ``id`` of a job snapshot: (the job, the config, its ``victim_sort_key`` when that reads
-#: nothing of the instant (an Omni job's), its nodes in holding order), for ``victim_pool`` (the
-#: simulator reuses a job's snapshot while it stands; a snapshot never changes). The job is
-#: kept, so an ``id`` is not reused while its entry stands; cleared when it outgrows the jobs.
-_VICTIM_FACTS: dict[int, tuple[Job, PlannerConfig, tuple | None, tuple[str, ...]]] = {}
+#: (job snapshot, the config, its ``victim_sort_key`` when that reads nothing of the instant (an
+#: Omni job's), its nodes in holding order), for ``victim_pool``.
+_VICTIM_FACTS = KeptById()
 
 
 def victim_pool(state: PlanningPass) -> list[VictimEntry]:
@@ -382,14 +381,13 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
             and PRIORITY_RANK[j.priority] > 0
         ]
         config, now = state.config, state.now
-        if len(_VICTIM_FACTS) > 4 * len(state.jobs) + 1024:
-            _VICTIM_FACTS.clear()
+        _VICTIM_FACTS.trim(len(state.jobs))
         facts: dict[str, tuple[Job, PlannerConfig, tuple | None, tuple[str, ...]]] = {}
         for j in pool:
             hit = _VICTIM_FACTS.get(id(j))
             if hit is None or hit[0] is not j or hit[1] is not config:
-                hit = _VICTIM_FACTS[id(j)] = (j, config, None if j.signal else victim_sort_key(j, config),
-                                              tuple(dict.fromkeys(h.gpu.node for h in j.holdings)))
+                hit = _VICTIM_FACTS.keep(j, config, None if j.signal else victim_sort_key(j, config),
+                                         tuple(dict.fromkeys(h.gpu.node for h in j.holdings)))
             facts[j.name] = hit
         pool.sort(key=lambda j: facts[j.name][2] or victim_sort_key(j, config, now))
         nodes = state.nodes

@@ -41,3 +41,16 @@ def test_the_live_jobs_by_name_are_in_name_order_and_leave_the_finished_out() ->
     assert list(got) == list(want) and all(got[n] is want[n] for n in want)
     running = [j for j in jobs if j.phase == "running"]
     assert list(live_jobs_by_name(running)) == sorted({j.name for j in running})
+
+
+def test_kept_facts_stand_for_their_own_object_only_and_are_forgotten_when_they_outgrow_the_jobs() -> None:
+    from jobs.planner.kept import KeptById
+
+    kept = KeptById()
+    a, b = _job("a", ()), _job("b", ())
+    assert kept.keep(a, 1, "x") == (a, 1, "x")
+    assert kept.get(id(a))[0] is a and kept.get(id(b)) is None
+    assert not kept.trim(in_sight=0)  # 1 entry: within 4 x 0 + 1,024
+    for k in range(1025):
+        kept.keep(_job(f"j{k}", ()), k)
+    assert len(kept) > 1024 and kept.trim(in_sight=0) and len(kept) == 0

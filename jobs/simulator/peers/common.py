@@ -19,6 +19,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.core import team_reservation_owner
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active
+from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, batch_divides
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import step_time_at
@@ -36,10 +37,9 @@ from jobs.planner.topology import choose_gpus
 INFINITY = math.inf
 T = TypeVar("T")
 
-#: Per peer class: by ``id`` of a job snapshot, (the job, its shape, its group member) for
-#: ``walk_queue``; and each shape's one tuple. The job is kept, so an ``id`` is not reused while
-#: its entry stands; both are cleared when they outgrow the jobs in sight.
-_PLAIN_SHAPES: dict[type, tuple[dict[int, tuple[Job, tuple, tuple[float, str, Job]]], dict[tuple, tuple]]] = {}
+#: Per peer class: (job snapshot, its shape, its group member) for ``walk_queue``, and each shape's
+#: one tuple (cleared with them).
+_PLAIN_SHAPES: dict[type, tuple[KeptById, dict[tuple, tuple]]] = {}
 
 
 @dataclass(slots=True)
@@ -342,9 +342,8 @@ class PeerPass:
         ungrouped: list[Job] = []
         by_shape: dict[int, list[tuple[float, str, Job]]] = {}  # by id of the shape's one tuple
         reserving = self.res_of_job
-        memo, shapes = _PLAIN_SHAPES.setdefault(type(self), ({}, {}))
-        if len(memo) > 4 * len(self.jobs) + 1024:
-            memo.clear()
+        memo, shapes = _PLAIN_SHAPES.setdefault(type(self), (KeptById(), {}))
+        if memo.trim(len(self.jobs)):
             shapes.clear()
         for job in queue:
             if not grouped or job.holdings or job.name in reserving:
@@ -356,7 +355,7 @@ class PeerPass:
             hit = memo.get(id(job))
             if hit is None or hit[0] is not job:
                 shape = self._shape(job, *self.size_range(job))
-                hit = memo[id(job)] = (job, shapes.setdefault(shape, shape), (job.submit_s, job.name, job))
+                hit = memo.keep(job, shapes.setdefault(shape, shape), (job.submit_s, job.name, job))
             members = by_shape.get(id(hit[1]))
             if members is None:
                 by_shape[id(hit[1])] = [hit[2]]
