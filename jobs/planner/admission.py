@@ -18,14 +18,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jobs.planner import quota
+from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.faults import continue_on_survivors, surviving_replicas
-from jobs.planner.harvest import loan_notes, refused_loan_notes
+from jobs.planner.harvest import fits_in_grace, loan_notes, open_pools, refused_loan_notes
 from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, valid_dps
 from jobs.planner.queue_walk import walk_by_groups
-from jobs.planner.rhythm import reclaim_lead_time
+from jobs.planner.rhythm import min_loan_window_s, reclaim_lead_time
 from jobs.planner.snapshot import PRIORITY_RANK, WAITING_PHASES, Gpu, Job
 from jobs.planner.starvation import effective_rank, is_aged, queue_key, waited_s
 from jobs.planner.topology import spread_of
@@ -54,13 +55,18 @@ TIER_RECOVERING = 1
 TIER_CRITICAL = 2
 TIER_OTHER = 3
 # A quiet pass's groups of plain waiters (``_walk_quietly``): (GPUs at the smallest size, queue
-# standing, class, long waiter), and each member as (waiting since, name, job).
-Group = tuple[int, int, int, bool]
-Waiter = tuple[float, str, Job]
+# standing, class, long waiter, tp, pp), and each member as (waiting since, name, its shortest
+# worthwhile loan at its smallest size (``min_loan_window_s``), whether it can stop within the
+# grace (``fits_in_grace``), job).
+Group = tuple[int, int, int, bool, int, int]
+Waiter = tuple[float, str, float, bool, Job]
 # What ``_quiet_group`` reads of a plain waiter itself: (GPUs at its smallest size or None, class
-# rank, regular, waiting since, its member of a group).
-PlainWaiter = tuple[int | None, int, bool, float, Waiter]
-#: (job, ``_plain_waiter(job)``) per job snapshot, for every pass that walks by groups.
+# rank, regular, waiting since, its member of a group, tp, pp).
+PlainWaiter = tuple[int | None, int, bool, float, Waiter, int, int]
+#: (job, config, ``_plain_waiter(job, config)``, [its group once final, from when, the nodes it was
+#: last fitted to, whether it can never fit them]) per job snapshot, for every pass that walks by
+#: groups. A group is final once its standing and long wait can change no more (both only move one
+#: way as time goes on: ``_group_at``).
 _PLAIN_WAITERS = KeptById()
 # The hold cause of a job that can never run on this cluster as it is (pages show it no ETA).
 CANNOT_FIT = "cannot_fit"
@@ -100,7 +106,9 @@ def admit_waiting(state: PlanningPass) -> None:
     groups = _quiet_groups(state)
     if groups is not None:
         _PLAIN_WAITERS.trim(len(state.jobs))
-    now, ageing_s, reserving = state.now, state.config.ageing_s, state.res_of_job
+    now, config, reserving = state.now, state.config, state.res_of_job
+    ageing_s = config.ageing_s
+    busy, acted, nodes = state.busy, state.acted, state.snapshot.nodes
     settled = not lost  # then only waiting and recovering jobs can be the queue's (``in_queue``)
     for job in state.jobs.values():
         if settled and job.phase not in QUEUE_PHASES:
@@ -111,17 +119,26 @@ def admit_waiting(state: PlanningPass) -> None:
         # replays 13% slower).
         if groups is not None:
             hit = _PLAIN_WAITERS.get(id(job))
-            if hit is None or hit[0] is not job:
-                hit = _PLAIN_WAITERS.keep(job, _plain_waiter(job))
-            if hit[1] is not None and job.name not in reserving:
-                if job.name in state.busy or job.name in state.acted or state._fit_problems(job):
+            if hit is None or hit[0] is not job or hit[1] is not config:
+                hit = _PLAIN_WAITERS.keep(job, config, _plain_waiter(job, config), [None, INFINITY, None, False])
+            entry = hit[2]
+            if entry is not None and job.name not in reserving:
+                kept = hit[3]
+                if kept[2] is not nodes:  # whether it can never fit, per cluster as the snapshot has it
+                    kept[2], kept[3] = nodes, bool(state._fit_problems(job))
+                if kept[3] or job.name in busy or job.name in acted:
                     continue  # not the queue's to decide, or can never fit (a hold says nothing here)
-                if hit[1][0] is not None:
-                    sig = _group_at(hit[1], now, ageing_s)
-                    if (members := groups.get(sig)) is None:
-                        groups[sig] = [hit[1][4]]
+                if entry[0] is not None:
+                    if now >= kept[1]:
+                        sig = kept[0]
                     else:
-                        members.append(hit[1][4])
+                        sig = _group_at(entry, now, ageing_s)
+                        if (sig[1] == 1 or ageing_s <= 0) and (sig[3] or not entry[2]):
+                            kept[0], kept[1] = sig, now  # its standing and long wait can change no more
+                    if (members := groups.get(sig)) is None:
+                        groups[sig] = [entry[4]]
+                    else:
+                        members.append(entry[4])
                     continue
         if not in_queue(state, job, lost):
             continue
@@ -177,35 +194,38 @@ def _quiet_groups(state: PlanningPass) -> dict[Group, list[Waiter]] | None:
     return {} if not state.explain and not state.teams and type(state)._tier is queue_tier else None
 
 
-def _plain_waiter(job: Job) -> PlainWaiter | None:
+def _plain_waiter(job: Job, config: PlannerConfig) -> PlainWaiter | None:
     """What a quiet pass reads of a plain waiter (``_quiet_group``), or None for a job that is
     not one by itself: one that holds or lends GPUs, is not waiting, or is critical."""
     if job.holdings or job.parked or job.phase not in WAITING_PHASES or job.priority == "critical":
         return None
     sizes = valid_dps(job)
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
+    window_s = min_loan_window_s(job, sizes[0], config) if sizes else INFINITY
     return (sizes[0] * job.tp * job.pp if sizes else None, PRIORITY_RANK[job.priority],
-            job.priority == "regular", since, (since, job.name, job))
+            job.priority == "regular", since, (since, job.name, window_s, fits_in_grace(job, config), job),
+            job.tp, job.pp)
 
 
 def _group_at(entry: PlainWaiter, now_s: float, ageing_s: float) -> Group:
     """A plain waiter's group at ``now_s``: its standing is ``starvation.effective_rank`` (its
     class is never critical) and it is a long waiter as ``starvation.is_aged`` says."""
-    need, rank, regular, since, _ = entry
+    need, rank, regular, since, _, tp, pp = entry
     waited = now_s - since
     if waited < 0.0:
         waited = 0.0
     standing = max(1, rank - int(waited // ageing_s)) if ageing_s > 0 else rank
-    return (need, standing, rank, regular and waited >= ageing_s)
+    return (need, standing, rank, regular and waited >= ageing_s, tp, pp)
 
 
 def _quiet_group(state: PlanningPass, job: Job) -> Group | None:
     """A plain waiter's group for ``_walk_quietly``: (GPUs at its smallest size, queue standing,
-    class, long waiter), everything ``_waits_quietly`` reads of it without teams; None for a job
+    class, long waiter, tp, pp), everything ``_waits_quietly`` reads of it without teams and the
+    shape ``admit``'s quick hold reads (its loan terms go with each member); None for a job
     that is not a plain waiter (waiting for its first GPUs, or again after a stop, not critical,
     reserving and lending nothing; its queue tier is ``TIER_OTHER``) or has no valid size
     (``admit`` decides it)."""
-    entry = _plain_waiter(job)
+    entry = _plain_waiter(job, state.config)
     if entry is None or entry[0] is None or job.name in state.res_of_job:
         return None
     return _group_at(entry, state.now, state.config.ageing_s)
@@ -216,22 +236,38 @@ def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: 
     walk job by job with ``_waits_quietly`` would.
 
     Plain waiters (``_plain``) come in ``groups`` of jobs ``_waits_quietly`` tells apart by
-    nothing (``_quiet_group``): a group is shut while more GPUs than are free for anyone would
-    be needed at its smallest size and no victim search is left to try for its standing. Jobs of
-    a shut group that the walk passes wait; like ``admit``'s hold for capacity, each counts its
-    class as held for capacity.
+    nothing (``_quiet_group``). A group is shut while more GPUs than are free for anyone would be
+    needed at its smallest size and no victim search is left to try for its standing (best effort,
+    or one failed for as many GPUs in this pass). It is shut too, with no victim search left to
+    try, while ``admit``'s quick hold would hold even the member that may borrow the most
+    (``group_blocked``): free GPUs in pools that none of its jobs may borrow, or too scattered
+    for its ``tp``, count for anyone but not for them. Jobs of a shut group that the walk passes
+    wait; like ``admit``'s holds for capacity, each counts its class as held for capacity.
     """
     best_effort = PRIORITY_RANK["best_effort"]
+    terms: dict[Group, tuple[float, bool]] = {}  # per group: its members' loosest loan terms
 
     def shut_now() -> Callable[[Group], bool]:
         free = state._free_for_anyone()
         failed = state.victim_failed_at
         victims = state.takes_victims
+        blocked: dict[Group, bool] = {}
 
         def shut(sig: Group) -> bool:
-            need, standing, rank, aged = sig
-            return need > free and not (victims and standing < best_effort
-                                        and failed.get((rank, standing, False, aged), 1 << 30) > need)
+            need, standing, rank, aged, _, _ = sig
+            hopeless = standing >= best_effort or failed.get((rank, standing, False, aged), 1 << 30) <= need
+            if need > free and (hopeless or not victims):
+                return True
+            if not hopeless:
+                return False
+            hit = blocked.get(sig)
+            if hit is None:
+                loosest = terms.get(sig)
+                if loosest is None:
+                    members = groups[sig]
+                    loosest = terms[sig] = (min(m[2] for m in members), any(m[3] for m in members))
+                hit = blocked[sig] = state._group_blocked(sig, *loosest)
+            return hit
         return shut
 
     def passed(sig: Group) -> None:
@@ -292,6 +328,20 @@ def free_for_anyone(state: PlanningPass) -> float:
     if any(n and (z is None or totals.get(z, 0) > 0) for z, n in state.soon_free.items()):
         return INFINITY
     return sum(totals.values())
+
+
+def group_blocked(state: PlanningPass, sig: Group, window_s: float, fits_grace: bool) -> bool:
+    """Whether ``admit``'s quick hold (its first test, or the one on the zones a job may use)
+    would hold every plain waiter of group ``sig`` now: it does for the member that may borrow
+    the most, whose shortest worthwhile loan is ``window_s`` and which can stop within the grace
+    if ``fits_grace`` (``harvest.open_pools``: a shorter loan, or fitting the grace, never opens
+    fewer GPUs), so it does for each."""
+    need, _, _, _, tp, pp = sig
+    zones = open_pools(state, {None: None}, lambda: window_s, lambda: fits_grace)
+    groups = sum(state.view.free_groups(z, tp) if limit is None else min(state.view.free_groups(z, tp), limit // tp)
+                 for z, limit in zones.items())
+    soon = sum(state.soon_free.get(z, 0) for z in zones)
+    return (need // tp > groups and soon == 0) or state._free_total(zones) + soon < need
 
 
 def _team_key(state: PlanningPass, job: Job, key: tuple) -> tuple:

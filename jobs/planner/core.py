@@ -300,6 +300,7 @@ class PlanningPass:
     _queue = admission.admit_waiting
     _tier = admission.queue_tier
     _free_for_anyone = admission.free_for_anyone
+    _group_blocked = admission.group_blocked
     _admit = admission.admit
     _try_place = admission.try_place
     _try_victims = victims.take_from_victims

@@ -16,6 +16,7 @@ The same mechanism lends the GPUs of a job in a known idle phase: they form a po
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -349,6 +350,21 @@ def zones_open_to(state: PlanningPass, job: Job, dp: int) -> dict[str | None, in
         # A critical job outside its own reservation never borrows: it would be reclaimed
         # from, which it must not be.
         return zones
+    return open_pools(state, zones, lambda: min_loan_window_s(job, dp, state.config),
+                      lambda: fits_in_grace(job, state.config))
+
+
+def open_pools(
+    state: PlanningPass,
+    zones: dict[str | None, int | None],
+    window_s: Callable[[], float],
+    fits_grace: Callable[[], bool],
+) -> dict[str | None, int | None]:
+    """``zones`` with the pools that may lend to a borrower whose shortest worthwhile loan is
+    ``window_s()`` (``min_loan_window_s``) and that can stop within the grace or not
+    (``fits_grace()``), each capped at what it may lend: ``zones_open_to``'s part for borrowed
+    GPUs. Both are asked only if a pool needs them. A smaller window, or fitting the grace, never
+    opens fewer GPUs."""
     if state._lendable_pools is None:
         state._lendable_pools = [(name, pool) for name, pool in sorted(state.pools.items()) if pool.free_gpus > 0]
     needed_s: float | None = None
@@ -360,12 +376,12 @@ def zones_open_to(state: PlanningPass, job: Job, dp: int) -> dict[str | None, in
     for name, pool in state._lendable_pools:
         if name in zones or totals.get(name, 0) <= 0:
             continue
-        if not pool.need_predictable and not state.kill and not fits_in_grace(job, state.config):
+        if not pool.need_predictable and not state.kill and not fits_grace():
             continue
-        window_s = pool.next_need_s - state.now
-        if window_s > 0 and needed_s is None:
-            needed_s = 0.0 if state.kill else min_loan_window_s(job, dp, state.config)
-        n = pool.free_gpus if window_s > 0 and needed_s is not None and window_s >= needed_s else pool.spare_lendable
+        window = pool.next_need_s - state.now
+        if window > 0 and needed_s is None:
+            needed_s = 0.0 if state.kill else window_s()
+        n = pool.free_gpus if window > 0 and needed_s is not None and window >= needed_s else pool.spare_lendable
         if n > 0:
             zones[name] = n
     return zones

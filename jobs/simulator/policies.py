@@ -27,6 +27,7 @@ from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import PlanningPass
 from jobs.planner.decisions import Plan
+from jobs.planner.kept import KeptById
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import Job, Snapshot
 
@@ -78,6 +79,11 @@ class StaticPass(PlanningPass):
     def _try_victims(self, *args: object, **kwargs: object) -> bool:
         return False
 
+    def _group_blocked(self, *args: object) -> bool:
+        # Its ``_admit`` has no quick hold (``admission.group_blocked``): the quiet walk shuts a
+        # group for static only by ``_free_for_anyone``.
+        return False
+
     def _free_for_anyone(self) -> float:
         # Reserved pools are fenced for their owners: others start only on general capacity.
         if self.soon_free.get(None):
@@ -121,9 +127,19 @@ class StaticPass(PlanningPass):
         return super().run()
 
 
+#: (config, the same without ageing) by the config's identity: every pass of a replay gets the same
+#: config object, and what a pass works out of a job once per config (``admission._plain_waiter``)
+#: is kept only while the config is the same object.
+_STATIC_CONFIGS = KeptById()
+
+
 def plan_static(snapshot: Snapshot, now_s: float, config: PlannerConfig) -> Plan:
     """One pass of the ``static`` baseline."""
-    return StaticPass(snapshot, now_s, config.with_overrides({"ageing_s": 0.0})).run()
+    hit = _STATIC_CONFIGS.get(id(config))
+    if hit is None or hit[0] is not config:
+        _STATIC_CONFIGS.trim(16)
+        hit = _STATIC_CONFIGS.keep(config, config.with_overrides({"ageing_s": 0.0}))
+    return StaticPass(snapshot, now_s, hit[1]).run()
 
 
 def _plan_static_without_teams(snapshot: Snapshot, now_s: float, config: PlannerConfig) -> Plan:

@@ -1,8 +1,9 @@
 """``admission._walk_quietly``, the queue walk of a quiet pass, against its specification: in
-queue order, every job of ``others`` is admitted, and a plain waiter is admitted unless its group
-is shut at that moment (more GPUs needed than are free, and no victim search left to try), when
-it waits and counts its class as held for capacity. Each admission may change what is free and
-which victim searches failed, in any direction; the walk must follow."""
+queue order, every job of ``others`` is admitted, and a plain waiter is admitted unless, at that
+moment, no victim search is left to try for it and either more GPUs are needed than are free or
+``admit``'s quick hold holds it (its own loan terms open too little), when it waits and counts its
+class as held for capacity. Each admission may change what is free, what the pools open to which
+loan terms and which victim searches failed, in any direction; the walk must follow."""
 
 from __future__ import annotations
 
@@ -17,23 +18,45 @@ from jobs.planner.snapshot import PRIORITY_RANK
 
 
 class ScriptedPass:
-    """The part of a planning pass the walk reads and writes; each admission moves the free count
-    and the failed victim searches as a seeded script says (the same in both walks)."""
+    """The part of a planning pass the walk reads and writes; each admission moves the free count,
+    what the pools open and the failed victim searches as a seeded script says (the same in both
+    walks). Like ``admit``, an admission first holds a plain waiter its own quick hold holds
+    (``_held``): that changes nothing but the class held for capacity."""
 
     takes_victims = True
 
-    def __init__(self, seed: int, sigs: list[tuple]) -> None:
+    def __init__(self, seed: int, sigs: list[tuple], members: dict[str, tuple]) -> None:
         self.seed = seed
         self.sigs = sigs
-        self.free: float = random.Random(seed).randrange(0, 12)
+        self.members = members  # a plain waiter's (group, shortest loan, fits the grace)
+        rng = random.Random(seed)
+        self.free: float = rng.randrange(0, 12)
+        self.room = self._room(rng)
         self.victim_failed_at: dict[tuple, int] = {}
         self.capacity_blocked_rank = 99
         self.admitted: list[str] = []
 
+    @staticmethod
+    def _room(rng: random.Random) -> tuple[float, bool, int]:
+        # What the pools open: loans at least this short, whether to one that fits the grace, and
+        # how many GPUs then (the rest is free for anyone, none of it for such a job).
+        return rng.choice((0.0, 300.0, 600.0, 1200.0)), rng.random() < 0.5, rng.randrange(0, 12)
+
     def _free_for_anyone(self) -> float:
         return self.free
 
+    def _group_blocked(self, sig: tuple, window_s: float, fits_grace: bool) -> bool:
+        longest, to_grace, gpus = self.room
+        return sig[0] > (gpus if window_s <= longest or (fits_grace and to_grace) else 0)
+
+    def _held(self, job: str) -> bool:
+        hit = self.members.get(job)
+        return hit is not None and _hopeless(self, hit[0]) and self._group_blocked(*hit)
+
     def _admit(self, job: str) -> None:
+        if self._held(job):
+            self.capacity_blocked_rank = min(self.capacity_blocked_rank, self.members[job][0][2])
+            return
         self.admitted.append(job)
         rng = random.Random(f"{self.seed}:{job}")
         move = rng.random()
@@ -41,17 +64,22 @@ class ScriptedPass:
             self.free = math.inf  # a victim's GPUs are on their way back
         elif move < 0.45:
             self.free = rng.randrange(0, 12)  # up or down
+            self.room = self._room(rng)
         elif move < 0.75 and self.sigs:
-            need, standing, rank, aged = rng.choice(self.sigs)
+            need, standing, rank, aged, _, _ = rng.choice(self.sigs)
             key = (rank, standing, False, aged)
             self.victim_failed_at[key] = min(self.victim_failed_at.get(key, 1 << 30), rng.choice((1, 2, 4, 8)))
 
 
+def _hopeless(state: ScriptedPass, sig: tuple) -> bool:
+    need, standing, rank, aged, _, _ = sig
+    return (standing >= PRIORITY_RANK["best_effort"]
+            or state.victim_failed_at.get((rank, standing, False, aged), 1 << 30) <= need)
+
+
 def _shut(state: ScriptedPass, sig: tuple) -> bool:
-    need, standing, rank, aged = sig
-    victims_left = (standing < PRIORITY_RANK["best_effort"]
-                    and state.victim_failed_at.get((rank, standing, False, aged), 1 << 30) > need)
-    return need > state._free_for_anyone() and not victims_left
+    """Whether ``_waits_quietly`` holds a job of group ``sig`` (the quick hold is ``_held``'s)."""
+    return sig[0] > state._free_for_anyone() and _hopeless(state, sig)
 
 
 def _queue(seed: int) -> tuple[list[tuple[tuple, str]], dict[tuple, list[tuple[float, str, str]]]]:
@@ -61,17 +89,22 @@ def _queue(seed: int) -> tuple[list[tuple[tuple, str]], dict[tuple, list[tuple[f
     groups: dict[tuple, list[tuple[float, str, str]]] = {}
     for i in range(rng.randrange(0, 60)):
         rank = rng.choice((1, 2))
-        sig = (rng.choice((1, 2, 4, 8, 16)), rng.choice((1, rank)), rank, rank == 1 and rng.random() < 0.3)
-        groups.setdefault(sig, []).append((float(rng.randrange(50)), f"p{i}", f"p{i}"))
+        sig = (rng.choice((1, 2, 4, 8, 16)), rng.choice((1, rank)), rank, rank == 1 and rng.random() < 0.3, 1, 1)
+        groups.setdefault(sig, []).append((float(rng.randrange(50)), f"p{i}", rng.choice((200.0, 500.0, 900.0)),
+                                           rng.random() < 0.3, f"p{i}"))
     return others, groups
+
+
+def _scripted(seed: int, groups: dict) -> ScriptedPass:
+    return ScriptedPass(seed, list(groups), {m[-1]: (sig, m[2], m[3]) for sig, ms in groups.items() for m in ms})
 
 
 def _reference(state: ScriptedPass, others: list, groups: dict) -> None:
     walk = sorted([(key, job, None) for key, job in others]
                   + [((TIER_OTHER, sig[1], sig[2], since, name), job, sig)
-                     for sig, members in groups.items() for since, name, job in members])
+                     for sig, members in groups.items() for since, name, _, _, job in members])
     for _, job, sig in walk:
-        if sig is not None and _shut(state, sig):
+        if sig is not None and (_shut(state, sig) or state._held(job)):
             state.capacity_blocked_rank = min(state.capacity_blocked_rank, sig[2])
             continue
         state._admit(job)
@@ -80,9 +113,9 @@ def _reference(state: ScriptedPass, others: list, groups: dict) -> None:
 @pytest.mark.parametrize("seed", range(300))
 def test_the_walk_by_groups_admits_and_holds_as_the_walk_job_by_job(seed: int) -> None:
     others, groups = _queue(seed)
-    expected = ScriptedPass(seed, list(groups))
+    expected = _scripted(seed, groups)
     _reference(expected, others, {sig: list(m) for sig, m in groups.items()})
-    walked = ScriptedPass(seed, list(groups))
+    walked = _scripted(seed, groups)
     admission._walk_quietly(walked, others, {sig: list(m) for sig, m in groups.items()})
     assert walked.admitted == expected.admitted
     assert walked.capacity_blocked_rank == expected.capacity_blocked_rank
@@ -95,10 +128,11 @@ def test_the_script_reopens_shut_groups_behind_the_walk() -> None:
     reopened = 0
     for seed in range(300):
         others, groups = _queue(seed)
-        state = ScriptedPass(seed, list(groups))
+        state = _scripted(seed, groups)
         shut_seen: set[tuple] = set()
         walk = sorted([(key, job, None) for key, job in others]
-                      + [((TIER_OTHER, s[1], s[2], since, name), job, s) for s, m in groups.items() for since, name, job in m])
+                      + [((TIER_OTHER, s[1], s[2], since, name), job, s)
+                         for s, m in groups.items() for since, name, _, _, job in m])
         for _, job, sig in walk:
             if sig is not None and _shut(state, sig):
                 shut_seen.add(sig)
@@ -108,6 +142,25 @@ def test_the_script_reopens_shut_groups_behind_the_walk() -> None:
                 shut_seen.discard(sig)
             state._admit(job)
     assert reopened >= 30, reopened
+
+
+def test_the_script_shuts_whole_groups_by_their_loosest_loan_terms() -> None:
+    # The cases ``group_blocked`` is for: GPUs free for anyone, none that the group's members may
+    # borrow; and groups where some members may borrow and others not (open: each admission
+    # holds its own).
+    shut, mixed = 0, 0
+    for seed in range(300):
+        _, groups = _queue(seed)
+        state = _scripted(seed, groups)
+        for sig, members in groups.items():
+            if not _hopeless(state, sig) or _shut(state, sig):
+                continue
+            held = [state._held(m[-1]) for m in members]
+            loosest = (min(m[2] for m in members), any(m[3] for m in members))
+            assert state._group_blocked(sig, *loosest) == all(held), (seed, sig)
+            shut += all(held)
+            mixed += any(held) and not all(held)
+    assert shut >= 50 and mixed >= 10, (shut, mixed)
 
 
 def test_a_plain_waiter_is_grouped_by_its_smallest_size_its_standing_its_class_and_a_long_wait() -> None:
@@ -126,8 +179,8 @@ def test_a_plain_waiter_is_grouped_by_its_smallest_size_its_standing_its_class_a
     ]
     state = PlanningPass(snapshot(cluster(), jobs), 5_000.0, config)
     groups = {j.name: admission._quiet_group(state, state.jobs[j.name]) for j in jobs}
-    assert groups == {"fresh": (4, 1, 1, False), "long": (4, 1, 1, True),
-                      "be-old": (1, 1, 2, False), "be-new": (1, 2, 2, False)}
+    assert groups == {"fresh": (4, 1, 1, False, 2, 1), "long": (4, 1, 1, True, 2, 1),
+                      "be-old": (1, 1, 2, False, 1, 1), "be-new": (1, 2, 2, False, 1, 1)}
     assert admission._quiet_groups(state) == {}
     assert admission._quiet_groups(PlanningPass(snapshot(cluster(), jobs), 5_000.0, PlannerConfig())) is None
 
@@ -146,14 +199,14 @@ def test_a_plain_waiters_group_at_any_instant_is_its_standing_and_long_wait_as_s
         config = PlannerConfig(ageing_s=ageing_s)
         for priority in ("regular", "best_effort"):
             j = job("w", priority=priority, tp=2, dp=4, dp_min=2, dp_max=4, submit_s=1000.0)
-            entry = admission._plain_waiter(j)
+            entry = admission._plain_waiter(j, config)
             assert entry is not None and entry[0] == 4
             edges = [1000.0 + k * ageing_s + d for k in range(4) for d in (-1e-7, 0.0, 1e-7)]
             for now in edges + [rng.uniform(0.0, 40_000.0) for _ in range(200)]:
                 want = (4, effective_rank(j, now, config), PRIORITY_RANK[priority],
-                        priority == "regular" and is_aged(j, now, config))
+                        priority == "regular" and is_aged(j, now, config), 2, 1)
                 assert admission._group_at(entry, now, ageing_s) == want, (ageing_s, priority, now)
                 checked += 1
     assert checked == 8 * 212
     held = job("h", priority="critical", tp=2, dp=4, dp_min=2, dp_max=4)
-    assert admission._plain_waiter(held) is None
+    assert admission._plain_waiter(held, PlannerConfig()) is None
