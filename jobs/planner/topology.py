@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from jobs.planner.kept import KeptById
-from jobs.planner.snapshot import Gpu, Node, Snapshot
+from jobs.planner.snapshot import Gpu, Job, Node, Snapshot
 
 
 def topology_distance(a: Node, b: Node) -> int:
@@ -61,6 +61,19 @@ def spread_of(gpus: Iterable[Gpu], nodes: Mapping[str, Node]) -> Spread:
 _HELD = KeptById()
 
 
+def held_indexes(job: Job) -> tuple[tuple[str, list[int]], ...]:
+    """The GPU indexes ``job`` holds on each node, in holding order (kept per holdings tuple:
+    every pass's view of who holds what reads them)."""
+    held = job.holdings
+    hit = _HELD.get(id(held))
+    if hit is None or hit[0] is not held:
+        by_node: dict[str, list[int]] = {}
+        for h in held:
+            by_node.setdefault(h.gpu.node, []).append(h.gpu.index)
+        hit = _HELD.keep(held, tuple(by_node.items()))
+    return hit[1]
+
+
 class ClusterView:
     """Who holds which GPU and which GPUs are free, updated as a pass makes decisions.
 
@@ -83,17 +96,10 @@ class ClusterView:
         self.held_by_node: dict[str, set[int]] = {}
         _HELD.trim(len(snapshot.jobs))
         for job in snapshot.jobs:
-            held = job.holdings
-            if not held:
+            if not job.holdings:
                 continue
-            hit = _HELD.get(id(held))
-            if hit is None or hit[0] is not held:
-                by_node: dict[str, list[int]] = {}
-                for h in held:
-                    by_node.setdefault(h.gpu.node, []).append(h.gpu.index)
-                hit = _HELD.keep(held, tuple(by_node.items()))
             self.owner.update(dict.fromkeys(job.gpus, job.name))
-            for node, idx in hit[1]:
+            for node, idx in held_indexes(job):
                 held = self.held_by_node.get(node)
                 if held is None:
                     self.held_by_node[node] = set(idx)

@@ -32,7 +32,7 @@ from jobs.planner.snapshot import (
     Snapshot,
     live_jobs_by_name,
 )
-from jobs.planner.topology import choose_gpus
+from jobs.planner.topology import choose_gpus, held_indexes
 
 INFINITY = math.inf
 T = TypeVar("T")
@@ -102,12 +102,18 @@ class PeerPass:
             if res.nodes and res.job:
                 self.pool_nodes.setdefault(res.job, set()).update(res.nodes)
         self.owner: dict[Gpu, str] = {}
+        held: dict[str, set[int]] = {}
         for j in self.jobs.values():
             if j.holdings:  # most of a long queue holds nothing
                 self.owner.update(dict.fromkeys(j.gpus, j.name))
-        held: dict[str, set[int]] = {}
-        for g in self.owner:
-            held.setdefault(g.node, set()).add(g.index)
+                for node, idx in held_indexes(j):
+                    on = held.get(node)
+                    if on is None:
+                        held[node] = set(idx)
+                    else:
+                        on.update(idx)
+        #: Nodes that take new work (``_placeable``).
+        self.placeable = frozenset(n.name for n in snapshot.nodes if n.takes_new_work)
         self.free: dict[str, set[int]] = {}
         for n in snapshot.nodes:
             if n.takes_new_work:
@@ -201,7 +207,8 @@ class PeerPass:
     def fit(self, job: Job, dp: int, extra: Iterable[Gpu] = (), only: set[str] | None = None) -> tuple[Gpu, ...] | None:
         """GPUs for ``dp`` replicas of ``job`` from the free ones plus ``extra`` (its own survivors,
         GPUs a stop will free), on the nodes ``only`` if given, or None."""
-        extra = [g for g in extra if self._placeable(g.node) and (only is None or g.node in only)]
+        placeable = self.placeable
+        extra = [g for g in extra if g.node in placeable and (only is None or g.node in only)]
         key = (job.tp, job.pp, dp, self.generation)
         if only is None and not extra and key in self._no_fit:
             return None
