@@ -63,11 +63,24 @@ Waiter = tuple[float, str, float, bool, Job]
 # What ``_quiet_group`` reads of a plain waiter itself: (GPUs at its smallest size or None, class
 # rank, regular, waiting since, its member of a group, tp, pp).
 PlainWaiter = tuple[int | None, int, bool, float, Waiter, int, int]
-#: (job, config, ``_plain_waiter(job, config)``, [its group once final, from when, the nodes it was
-#: last fitted to, whether it can never fit them]) per job snapshot, for every pass that walks by
-#: groups. A group is final once its standing and long wait can change no more (both only move one
-#: way as time goes on: ``_group_at``).
+#: (job, config, ``_plain_waiter(job, config)``, ``_WaiterMemo``) per job snapshot, for every pass
+#: that walks by groups.
 _PLAIN_WAITERS = KeptById()
+
+
+class _WaiterMemo:
+    """What quiet passes learn of a plain waiter's snapshot as they go: its group once final (its
+    standing and long wait can change no more: both only move one way as time goes on,
+    ``_group_at``) and from when, and whether it can never fit the nodes it was last fitted to
+    (``_fit_problems``, kept while the snapshot's nodes tuple stands)."""
+
+    __slots__ = ("final_group", "final_from", "fitted_to", "unfit")
+
+    def __init__(self) -> None:
+        self.final_group: Group | None = None
+        self.final_from = INFINITY
+        self.fitted_to: tuple | None = None
+        self.unfit = False
 # The hold cause of a job that can never run on this cluster as it is (pages show it no ETA).
 CANNOT_FIT = "cannot_fit"
 
@@ -120,21 +133,21 @@ def admit_waiting(state: PlanningPass) -> None:
         if groups is not None:
             hit = _PLAIN_WAITERS.get(id(job))
             if hit is None or hit[0] is not job or hit[1] is not config:
-                hit = _PLAIN_WAITERS.keep(job, config, _plain_waiter(job, config), [None, INFINITY, None, False])
+                hit = _PLAIN_WAITERS.keep(job, config, _plain_waiter(job, config), _WaiterMemo())
             entry = hit[2]
             if entry is not None and job.name not in reserving:
-                kept = hit[3]
-                if kept[2] is not nodes:  # whether it can never fit, per cluster as the snapshot has it
-                    kept[2], kept[3] = nodes, bool(state._fit_problems(job))
-                if kept[3] or job.name in busy or job.name in acted:
+                memo = hit[3]
+                if memo.fitted_to is not nodes:
+                    memo.fitted_to, memo.unfit = nodes, bool(state._fit_problems(job))
+                if memo.unfit or job.name in busy or job.name in acted:
                     continue  # not the queue's to decide, or can never fit (a hold says nothing here)
                 if entry[0] is not None:
-                    if now >= kept[1]:
-                        sig = kept[0]
+                    if now >= memo.final_from:
+                        sig = memo.final_group
                     else:
                         sig = _group_at(entry, now, ageing_s)
                         if (sig[1] == 1 or ageing_s <= 0) and (sig[3] or not entry[2]):
-                            kept[0], kept[1] = sig, now  # its standing and long wait can change no more
+                            memo.final_group, memo.final_from = sig, now  # its standing and long wait can change no more
                     if (members := groups.get(sig)) is None:
                         groups[sig] = [entry[4]]
                     else:
@@ -338,10 +351,18 @@ def group_blocked(state: PlanningPass, sig: Group, window_s: float, fits_grace: 
     fewer GPUs), so it does for each."""
     need, _, _, _, tp, pp = sig
     zones = open_pools(state, {None: None}, lambda: window_s, lambda: fits_grace)
+    return blocked_in(state, zones, tp, pp, need // (tp * pp))[0]
+
+
+def blocked_in(state: PlanningPass, zones: dict[str | None, int | None], tp: int, pp: int, dp: int) -> tuple[bool, int]:
+    """Whether ``dp`` replicas of ``tp`` x ``pp`` GPUs cannot start in ``zones`` (a capped zone
+    counting at most its cap) nor wait there for GPUs on their way back: too few free ``tp``-GPU
+    groups with nothing coming back, or too few GPUs even counting those; and the free groups.
+    ``admit``'s quick hold on the zones a job may use."""
     groups = sum(state.view.free_groups(z, tp) if limit is None else min(state.view.free_groups(z, tp), limit // tp)
                  for z, limit in zones.items())
     soon = sum(state.soon_free.get(z, 0) for z in zones)
-    return (need // tp > groups and soon == 0) or state._free_total(zones) + soon < need
+    return (dp * pp > groups and soon == 0) or state._free_total(zones) + soon < dp * tp * pp, groups
 
 
 def _team_key(state: PlanningPass, job: Job, key: tuple) -> tuple:
@@ -384,15 +405,7 @@ def admit(state: PlanningPass, job: Job) -> None:
         blocked = dps[-1] * job.pp > groups and not any(state.soon_free.values())
         if not blocked and not state._entitled_now(job):
             # Count only the zones this job may really use, and what is coming back there.
-            zones_min = state._zones_for(job, dps[-1])
-            groups = sum(
-                state.view.free_groups(z, job.tp) if limit is None
-                else min(state.view.free_groups(z, job.tp), limit // job.tp)
-                for z, limit in zones_min.items()
-            )
-            soon = sum(state.soon_free.get(z, 0) for z in zones_min)
-            blocked = (dps[-1] * job.pp > groups and soon == 0) or (
-                state._free_total(zones_min) + soon < dps[-1] * rep)
+            blocked, groups = blocked_in(state, state._zones_for(job, dps[-1]), job.tp, job.pp, dps[-1])
         if blocked and not state._entitled_now(job):
             aged = ages and job.priority == "regular" and is_aged(job, state.now, state.config)
             key = (PRIORITY_RANK[job.priority], rank, False, aged)
