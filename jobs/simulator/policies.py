@@ -17,6 +17,7 @@ invariant (``QUOTA_POLICIES``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,7 +28,6 @@ from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import PlanningPass
 from jobs.planner.decisions import Plan
-from jobs.planner.kept import KeptById
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import Job, Snapshot
 
@@ -127,19 +127,16 @@ class StaticPass(PlanningPass):
         return super().run()
 
 
-#: (config, the same without ageing) by the config's identity: every pass of a replay gets the same
-#: config object, and what a pass works out of a job once per config (``admission._plain_waiter``)
-#: is kept only while the config is the same object.
-_STATIC_CONFIGS = KeptById()
+@functools.lru_cache(maxsize=16)
+def _without_ageing(config: PlannerConfig) -> PlannerConfig:
+    """``config`` with ageing off, one object per config: what a pass works out of a job once per
+    config (``admission._plain_waiter``) is kept while the config is the same object."""
+    return config.with_overrides({"ageing_s": 0.0})
 
 
 def plan_static(snapshot: Snapshot, now_s: float, config: PlannerConfig) -> Plan:
     """One pass of the ``static`` baseline."""
-    hit = _STATIC_CONFIGS.get(id(config))
-    if hit is None or hit[0] is not config:
-        _STATIC_CONFIGS.trim(16)
-        hit = _STATIC_CONFIGS.keep(config, config.with_overrides({"ageing_s": 0.0}))
-    return StaticPass(snapshot, now_s, hit[1]).run()
+    return StaticPass(snapshot, now_s, _without_ageing(config)).run()
 
 
 def _plan_static_without_teams(snapshot: Snapshot, now_s: float, config: PlannerConfig) -> Plan:

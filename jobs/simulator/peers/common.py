@@ -107,12 +107,8 @@ class PeerPass:
             if j.holdings:  # most of a long queue holds nothing
                 self.owner.update(dict.fromkeys(j.gpus, j.name))
                 for node, idx in held_indexes(j):
-                    on = held.get(node)
-                    if on is None:
-                        held[node] = set(idx)
-                    else:
-                        on.update(idx)
-        #: Nodes that take new work (``_placeable``).
+                    held.setdefault(node, set()).update(idx)
+        #: Nodes that take new work.
         self.placeable = frozenset(n.name for n in snapshot.nodes if n.takes_new_work)
         self.free: dict[str, set[int]] = {}
         for n in snapshot.nodes:
@@ -127,7 +123,7 @@ class PeerPass:
             if job is None:
                 continue
             for g in cmd.releases or (job.gpus if cmd.kind in ("preempt", "reclaim") else ()):
-                if self._placeable(g.node):
+                if g.node in self.placeable:
                     self.releasing[g] = job.name
         self.actions: list[Action] = []
         self.acted: set[str] = set()
@@ -140,10 +136,6 @@ class PeerPass:
         self.generation = 0
 
     # --- what a peer reads ----------------------------------------------------------------------
-
-    def _placeable(self, node: str) -> bool:
-        n = self.nodes.get(node)
-        return n is not None and n.takes_new_work
 
     def entitled_gpus(self, job: Job) -> int:
         """GPUs the job's active reservations guarantee now (0 outside every window)."""
@@ -305,7 +297,7 @@ class PeerPass:
             if g in keep:
                 continue
             self.owner.pop(g, None)
-            if not self._placeable(g.node):
+            if g.node not in self.placeable:
                 continue
             if stopping_now:
                 self.free.setdefault(g.node, set()).add(g.index)
