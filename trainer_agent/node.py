@@ -525,6 +525,7 @@ class NodeAgent:
             return
         # SIGTERM to every rank: an ``omni`` rank finishes its step and checkpoints (the ranks
         # agree on the step); a ``signal`` rank does whatever its script does, within grace_s.
+        worker.ask_stop()
         worker.signal(signal.SIGTERM)
         if h.integration == "signal" or kind == "stop":
             h.stop_deadline = h.term_at + h.grace_s

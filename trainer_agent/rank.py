@@ -16,7 +16,14 @@ node agent needs and torchrun does not:
   ``TAIL_LINES`` lines are kept in memory and appended when the rank ends, so a crash's
   traceback is never lost to the cap;
 - **exit**: ``{run state}/rank-{RANK}.exit.json`` with the exit code (or signal) and the time,
-  from which the agent names the rank that failed first.
+  from which the agent names the rank that failed first;
+- **a stop asked for**: when the agent stops the run it first writes ``{run state}/stop-asked``
+  (``STOP_ASKED``). A rank that then dies of the SIGTERM it was sent did what was asked: the
+  exit record keeps the signal (``"asked": true``) but torchrun is told 0. A script may die of
+  SIGTERM by design (no handler), or by a race: Python resets its handlers in the teardown of a
+  rank already leaving at the step its peers agreed on, and a SIGTERM landing then kills it. Told
+  "failed", that node's torchrun would skip its exit barrier and leave the other nodes' torchruns
+  waiting in theirs until the grace ran out and they were killed: a clean stop reported as a kill.
 
 The working directory, the argv resolution (``x.py`` and ``-m MODULE`` run with the node's
 Python) and the environment are the agent's (trainer_agent/launch.py).
@@ -39,6 +46,7 @@ from typing import BinaryIO
 TAIL_LINES = 200
 DEFAULT_LOG_CAP_BYTES = 64 << 20
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_ASKED = "stop-asked"  # in the run's state dir: the agent asked this run to stop
 
 
 def _die_with_parent() -> None:
@@ -163,10 +171,11 @@ def main(argv: list[str]) -> int:
     for copier in copiers:
         copier.thread.join(timeout=10)
     by_signal = -code if code < 0 else None
-    write_json_atomic(state / f"rank-{rank}.exit.json", {
-        "rank": rank, "code": code if code >= 0 else 128 + by_signal, "signal": by_signal, "at": time.time(),
-    })
-    return code if code >= 0 else 128 + by_signal
+    record = {"rank": rank, "code": code if code >= 0 else 128 + by_signal, "signal": by_signal, "at": time.time()}
+    if by_signal == signal.SIGTERM and (state / STOP_ASKED).exists():
+        record["asked"] = True  # it stopped as the agent asked (see the module docstring)
+    write_json_atomic(state / f"rank-{rank}.exit.json", record)
+    return 0 if record.get("asked") else record["code"]
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 
 from trainer_agent import launch
 from trainer_agent.checkpoint import newest_step
+from trainer_agent.rank import STOP_ASKED
 
 SIM_CHECKPOINT = "sim-checkpoint.json"
 
@@ -133,6 +134,12 @@ class TorchrunJob:
                     pids.append(pid)
         return pids
 
+    def ask_stop(self) -> None:
+        """Note, for the rank wrappers, that the SIGTERM about to come is a stop the agent asks for
+        (``trainer_agent.rank.STOP_ASKED``): a rank that dies of it stopped as asked."""
+        self.paths.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.paths.state_dir / STOP_ASKED).touch()
+
     def signal(self, signum: int) -> None:
         """SIGTERM/SIGUSR1: to every rank (its wrapper passes it on); SIGKILL: every rank's whole
         process group and torchrun's."""
@@ -226,7 +233,7 @@ class TorchrunJob:
                 entry = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 continue
-            if isinstance(entry, dict) and entry.get("code"):
+            if isinstance(entry, dict) and entry.get("code") and not entry.get("asked"):
                 exits.append(entry)
         if exits:
             first = min(exits, key=lambda e: float(e.get("at") or 0.0))
@@ -358,6 +365,9 @@ class SimulatedJob:
                 return
         save_s = self._save(step)
         self.handle.exit_outcome = {"outcome": "completed", "step": step, "save_s": save_s}
+
+    def ask_stop(self) -> None:
+        """Nothing to note: no rank here can die of the SIGTERM."""
 
     def signal(self, signum: int) -> None:
         if signum == signal.SIGKILL:

@@ -143,6 +143,29 @@ class Cluster:
             out.append(f"----- {proc.name} (last 3000 chars) -----\n{text[-3000:]}")
         return "\n".join(out)
 
+    def story(self) -> str:
+        """What the control plane and the runs say happened: each job's state and failure, the
+        last audit rows, and per run and node every rank's exit record and torchrun's last lines."""
+        from jobs.models import ElasticEvent, Job
+
+        out = ["----- jobs -----"]
+        try:
+            for job in Job.objects.order_by("name"):
+                out.append(f"{job.name}: {job.state} run={job.run_id} failure={job.failure}")
+            out.append("----- audit (last 20) -----")
+            for event in reversed(ElasticEvent.objects.order_by("-id")[:20]):
+                out.append(f"{event.kind} {event.job_name}: {(event.reason or {}).get('text')} "
+                           f"outcome={event.outcome}")
+        except Exception as exc:  # the story must never hide the failure it explains
+            out.append(f"(database unreadable: {exc})")
+        for state in sorted((self.tmp / "runs").glob("*/.omni/*/*")):
+            exits = [p.read_text(errors="replace") for p in sorted(state.glob("rank-*.exit.json"))]
+            out.append(f"----- {state.relative_to(self.tmp)}: exits {exits}")
+            log = state.parents[2] / "logs" / state.parent.name / state.name / "torchrun.log"
+            if log.exists():
+                out.append(log.read_text(errors="replace")[-1500:])
+        return "\n".join(out)
+
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
@@ -203,6 +226,7 @@ def control_cluster(request, transactional_db, tmp_path) -> Iterator[Cluster]:
     cluster.stop_all()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
         print(cluster.logs())
+        print(cluster.story())
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainer_agent import launch
+from trainer_agent.rank import STOP_ASKED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,6 +121,26 @@ def test_sigterm_reaches_the_researchers_process_and_its_handler_decides(tmp_pat
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert log.read_text() == "ready\nsaving\n"
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_rank_that_dies_of_the_sigterm_the_agent_asked_for_stopped_as_asked(tmp_path, asked):
+    # No handler: the script dies of SIGTERM. Asked for by the agent (stop-asked written first),
+    # torchrun is told 0, so the node's torchrun leaves through its exit barrier like the
+    # others; from anyone else, it is a failed rank (143). The record keeps the signal either way.
+    if asked:
+        (tmp_path / "state").mkdir()
+        (tmp_path / "state" / STOP_ASKED).touch()
+    proc = _wrapper(tmp_path, [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"])
+    log = tmp_path / "logs" / "rank-3.out"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "ready" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == (0 if asked else 143)
+    record = json.loads((tmp_path / "state" / "rank-3.exit.json").read_text())
+    assert record["code"] == 143 and record["signal"] == signal.SIGTERM
+    assert record.get("asked", False) is asked
 
 
 def test_the_wrapper_refuses_to_start_a_rank_when_torchrun_is_not_its_parent(tmp_path):
