@@ -76,8 +76,8 @@ def replay(scenario: Any, policy: str) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     result = simulate(scenario, policy)
     return {
-        "wall_s": round(time.perf_counter() - t0, 2),
-        "cpu_s": round(time.process_time() - c0, 2),
+        "wall_s": round(time.perf_counter() - t0, 3),
+        "cpu_s": round(time.process_time() - c0, 3),
         "planner_calls": result["planner_calls"],
         "utilization": result["utilization"],
         "reservation_shortfall": result["reservation_shortfall"],

@@ -149,8 +149,8 @@ def test_the_peers_walk_by_shape_decides_as_their_walk_job_by_job(
     by_shape = simulate(scenario, policy)
     skips = {"n": 0}
 
-    def walk_job_by_job(self, queue, key, decide, grouped=True, prepare=None):
-        queue = list(queue)
+    def walk_job_by_job(self, key, decide, grouped=True, prepare=None):
+        queue = self.waiting()
         if prepare is not None:
             prepare(queue)
         for job in sorted(queue, key=key):

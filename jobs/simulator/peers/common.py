@@ -10,16 +10,19 @@ planner's rules (no lead times, no loans of idle phases, no straggler migration)
 
 from __future__ import annotations
 
+import bisect
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_not
 from typing import Any, TypeVar
 
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import team_reservation_owner
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active
-from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, batch_divides
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import step_time_at
@@ -37,9 +40,86 @@ from jobs.planner.topology import choose_gpus, held_indexes
 INFINITY = math.inf
 T = TypeVar("T")
 
-#: Per peer class: (job snapshot, its shape, its group member) for ``walk_queue``, and each shape's
-#: one tuple (cleared with them).
-_PLAIN_SHAPES: dict[type, tuple[KeptById, dict[tuple, tuple]]] = {}
+
+
+class PassIndex:
+    """A peer's plain waiters by shape, and its jobs that hold GPUs, kept from one pass to the next.
+
+    A plain waiter wants GPUs (pending, preempted or recovering, not parked) and holds none. Its
+    shape (class, team, TP, PP, sizes: ``PeerPass.plain_shape``) reads only the job, so the
+    groups change only where a job's snapshot does; the simulator hands a pass the same ``Job``
+    while a job stands. ``update`` finds the jobs whose snapshot is new against the last pass's
+    index by name, without a Python step per job, and regroups only those: a long quiet queue is
+    not visited job by job on every pass. What a pass itself rules out (a stop in flight, a job
+    decided already, a reservation's job) it leaves out when it walks (``PeerPass.walk_queue``).
+    The jobs that hold GPUs (``holders``) are the few a pass's view of the cluster is built from.
+    """
+
+    __slots__ = ("seen", "groups", "member", "holding", "holders")
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Job] = {}  # the last pass's live jobs by name
+        self.groups: dict[tuple, list[tuple]] = {}  # shape -> members (submit_s, name, job), sorted
+        self.member: dict[str, tuple[tuple, tuple]] = {}  # name -> (shape, member)
+        self.holding: set[str] = set()  # jobs that want GPUs and hold some (survivors of a fault)
+        self.holders: set[str] = set()  # jobs that hold GPUs
+
+    def update(self, jobs: dict[str, Job], shape_of: Callable[[Job], tuple]) -> None:
+        """Regroup for this pass's live jobs by name (``live_jobs_by_name``), which it keeps."""
+        seen = self.seen
+        new_names = 0
+        for job in compress(jobs.values(), map(is_not, jobs.values(), map(seen.get, jobs))):
+            name = job.name
+            if name in seen:
+                self._drop(name)
+            else:
+                new_names += 1
+            if job.holdings:
+                self.holders.add(name)
+            if (job.phase in WAITING_PHASES or job.phase == "recovering") and not job.parked:
+                if job.holdings:
+                    self.holding.add(name)
+                else:
+                    shape = shape_of(job)
+                    entry = (job.submit_s, name, job)
+                    members = self.groups.get(shape)
+                    if members is None:
+                        self.groups[shape] = [entry]
+                    else:
+                        bisect.insort(members, entry)
+                    self.member[name] = (shape, entry)
+        if len(seen) != len(jobs) - new_names:  # some job is over
+            for name in seen.keys() - jobs.keys():
+                self._drop(name)
+        self.seen = jobs
+
+    def _drop(self, name: str) -> None:
+        self.holding.discard(name)
+        self.holders.discard(name)
+        hit = self.member.pop(name, None)
+        if hit is None:
+            return
+        shape, entry = hit
+        members = self.groups[shape]
+        i = bisect.bisect_left(members, entry)
+        assert members[i] is entry
+        del members[i]
+        if not members:
+            del self.groups[shape]
+
+
+#: Per thread, per peer class: its ``PassIndex`` (a replay's passes run one after another).
+_INDEXES = threading.local()
+
+
+def _index_of(peer: type) -> PassIndex:
+    by_class = getattr(_INDEXES, "by_class", None)
+    if by_class is None:
+        by_class = _INDEXES.by_class = {}
+    index = by_class.get(peer)
+    if index is None:
+        index = by_class[peer] = PassIndex()
+    return index
 
 
 @dataclass(slots=True)
@@ -87,6 +167,10 @@ class PeerPass:
         self.config = config
         self.nodes = {n.name: n for n in snapshot.nodes}
         self.jobs: dict[str, Job] = live_jobs_by_name(snapshot.jobs)
+        self.index = _index_of(type(self))
+        self.index.update(self.jobs, self.plain_shape)
+        #: The jobs that hold GPUs, in name order (most of a long queue holds nothing).
+        self.holding_jobs: list[Job] = [self.jobs[name] for name in sorted(self.index.holders)]
         self.busy = {c.job for c in snapshot.commands}
         self.reservations: list[Reservation] = [
             team_reservation_owner(r, self.jobs) for r in sorted(snapshot.reservations, key=lambda r: r.name)
@@ -103,11 +187,10 @@ class PeerPass:
                 self.pool_nodes.setdefault(res.job, set()).update(res.nodes)
         self.owner: dict[Gpu, str] = {}
         held: dict[str, set[int]] = {}
-        for j in self.jobs.values():
-            if j.holdings:  # most of a long queue holds nothing
-                self.owner.update(dict.fromkeys(j.gpus, j.name))
-                for node, idx in held_indexes(j):
-                    held.setdefault(node, set()).update(idx)
+        for j in self.holding_jobs:
+            self.owner.update(dict.fromkeys(j.gpus, j.name))
+            for node, idx in held_indexes(j):
+                held.setdefault(node, set()).update(idx)
         #: Nodes that take new work.
         self.placeable = frozenset(n.name for n in snapshot.nodes if n.takes_new_work)
         self.free: dict[str, set[int]] = {}
@@ -160,18 +243,21 @@ class PeerPass:
 
     def waiting(self) -> list[Job]:
         """Jobs that want GPUs now: waiting (or recovering from a fault), not between windows."""
-        busy, acted, reserving = self.busy, self.acted, self.res_of_job
-        return [j for j in self.jobs.values()
-                if (j.phase in WAITING_PHASES or j.phase == "recovering") and j.name not in busy
-                and j.name not in acted and not j.parked and (j.name not in reserving or not self.dormant(j))]
+        return [j for j in self.jobs.values() if self.wants(j)]
+
+    def wants(self, j: Job) -> bool:
+        """Whether ``j`` wants GPUs now (``waiting``)."""
+        return ((j.phase in WAITING_PHASES or j.phase == "recovering") and j.name not in self.busy
+                and j.name not in self.acted and not j.parked
+                and (j.name not in self.res_of_job or not self.dormant(j)))
 
     def running(self) -> list[Job]:
         """Jobs holding GPUs with no stop in flight and nothing decided in this pass (kept until
         something is decided: a long queue asks for it once per waiting job)."""
         if self._running is None or self._running[0] != len(self.acted):
             self._running = (len(self.acted), [
-                j for j in self.jobs.values()
-                if j.holdings and j.phase not in WAITING_PHASES and j.phase != "recovering"
+                j for j in self.holding_jobs
+                if j.phase not in WAITING_PHASES and j.phase != "recovering"
                 and j.name not in self.busy and j.name not in self.acted])
         return self._running[1]
 
@@ -323,44 +409,50 @@ class PeerPass:
     def _shape(self, job: Job, low: int, high: int) -> tuple:
         return ("hopeless", job.priority, job.team, job.tp, job.pp, job.dp, low, high)
 
-    def walk_queue(self, queue: Iterable[Job], key: Callable[[Job], tuple], decide: Callable[[Job], Any],
-                   grouped: bool = True, prepare: Callable[[list[Job]], None] | None = None) -> None:
-        """``decide`` the jobs of ``queue`` (``waiting()``) in the order of ``key``, but those of a
-        ``hopeless`` shape.
+    def plain_range(self, job: Job) -> tuple[int, int]:
+        """``size_range`` of a job no reservation names (it reads nothing of the pass)."""
+        return job.dp_min, job.dp
 
-        With ``grouped``, jobs that hold and reserve nothing are walked by shape (``queue_walk``):
-        ``key`` must order the jobs of one shape by submit time, and read nothing the pass changes
-        (it keys a job when the walk reaches it). A hopeless shape is shut, and the jobs of it
-        that the walk passes wait with nothing to record: the one that found nothing was held,
-        its class counted as blocked. The walk job by job, which keys and sorts every job and
-        skips each of a hopeless shape, decides the same (``tests/simulator/test_quiet_holds.py``).
+    def plain_shape(self, job: Job) -> tuple:
+        """The shape of a plain waiter (``PassIndex``)."""
+        return self._shape(job, *self.plain_range(job))
+
+    def walk_queue(self, key: Callable[[Job], tuple], decide: Callable[[Job], Any], grouped: bool = True,
+                   prepare: Callable[[list[Job]], None] | None = None) -> None:
+        """``decide`` the jobs of ``waiting()`` in the order of ``key``, but those of a ``hopeless``
+        shape.
+
+        With ``grouped``, plain waiters (``PassIndex``, kept between passes) are walked by shape
+        (``queue_walk``): ``key`` must order the jobs of one shape by submit time, and read nothing
+        the pass changes (it keys a job when the walk reaches it). A hopeless shape is shut, and
+        the jobs of it that the walk passes wait with nothing to record: the one that found
+        nothing was held, its class counted as blocked. The walk job by job, which keys and
+        sorts every job and skips each of a hopeless shape, decides the same
+        (``tests/simulator/test_quiet_holds.py``).
 
         ``prepare``, if given, is called before the walk with the jobs keyed one by one and one job
         of each shape (the jobs of a shape share their class, team and sizes).
         """
-        ungrouped: list[Job] = []
-        by_shape: dict[int, list[tuple[float, str, Job]]] = {}  # by id of the shape's one tuple
-        reserving = self.res_of_job
-        memo, shapes = _PLAIN_SHAPES.setdefault(type(self), (KeptById(), {}))
-        if memo.trim(len(self.jobs)):
-            shapes.clear()
-        for job in queue:
-            if not grouped or job.holdings or job.name in reserving:
-                ungrouped.append(job)
-                continue
-            # A plain waiter's shape and member read nothing of the pass (it is entitled to
-            # nothing): kept per job snapshot, which the simulator reuses while the job stands.
-            # Equal shapes are one tuple, so jobs are grouped by its id (no tuple hashed per job).
-            hit = memo.get(id(job))
-            if hit is None or hit[0] is not job:
-                shape = self._shape(job, *self.size_range(job))
-                hit = memo.keep(job, shapes.setdefault(shape, shape), (job.submit_s, job.name, job))
-            members = by_shape.get(id(hit[1]))
-            if members is None:
-                by_shape[id(hit[1])] = [hit[2]]
-            else:
-                members.append(hit[2])
-        groups = {memo[id(members[0][2])][1]: members for members in by_shape.values()}
+        if not grouped:
+            ungrouped, groups = self.waiting(), {}
+        else:
+            plain = self.index
+            reserving = self.res_of_job
+            # The few a pass rules out of the groups: a stop in flight, decided already, or named
+            # by a reservation (walked one by one, with what it is entitled to).
+            out = (self.busy | self.acted | reserving.keys()) & plain.member.keys()
+            groups = plain.groups
+            if out:
+                groups = dict(groups)
+                for shape in {plain.member[name][0] for name in out}:
+                    kept = [m for m in groups[shape] if m[1] not in out]
+                    if kept:
+                        groups[shape] = kept
+                    else:
+                        del groups[shape]
+            jobs = self.jobs
+            names = sorted((plain.holding | reserving.keys()) & jobs.keys())
+            ungrouped = [j for j in map(jobs.__getitem__, names) if self.wants(j)]
         if prepare is not None:
             prepare(ungrouped + [members[0][2] for members in groups.values()])
         others = sorted((key(job), job) for job in ungrouped)

@@ -50,13 +50,16 @@ class ElasticPass(PeerPass):
 
     def schedule(self) -> None:
         self.drains(shrink=True)
-        self.walk_queue(self.waiting(), lambda j: (0 if self.entitled_gpus(j) else 1, PRIORITY_RANK[j.priority],
-                                                   j.submit_s, j.name), self.admit)
+        self.walk_queue(lambda j: (0 if self.entitled_gpus(j) else 1, PRIORITY_RANK[j.priority], j.submit_s, j.name),
+                        self.admit)
         self.grow()
 
     def size_range(self, job: Job) -> tuple[int, int]:
         low, _ = super().size_range(job)
         return low, job.dp_max
+
+    def plain_range(self, job: Job) -> tuple[int, int]:
+        return job.dp_min, job.dp_max
 
     def admit(self, job: Job) -> None:
         low, high = self.size_range(job)

@@ -86,7 +86,7 @@ class KueuePass(PeerPass):
                     nominal[(job.team, need)] = self.within_nominal(job, need)
 
         # Worded holds say why each job waits (quota or capacity): then every job is visited.
-        self.walk_queue(self.waiting(), lambda j: (
+        self.walk_queue(lambda j: (
             0 if self.entitled_gpus(j) else 1,
             0 if nominal[(j.team, j.dp_min * j.replica_gpus)] else 1,
             PRIORITY_RANK[j.priority], j.submit_s, j.name), self.admit, grouped=not self.config.explain_holds,

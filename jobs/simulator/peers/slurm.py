@@ -126,7 +126,7 @@ class SlurmPass(PeerPass):
         # Within a shape (same class and fair share) priority order is submit order, older first.
         # No shape is hopeless before the backfill reservation: the first job that finds nothing
         # takes it.
-        self.walk_queue(self.waiting(), self.queue_key, self.decide)
+        self.walk_queue(self.queue_key, self.decide)
 
     def decide(self, job: Job) -> None:
         """Start, backfill, preempt for or hold one job of the queue, in order."""
@@ -169,8 +169,8 @@ class SlurmPass(PeerPass):
         avail = self.free_count() + len(self.releasing)
         if avail >= need:
             return self.now, avail - need
-        ends = sorted((self.now + est_remaining_s(j), len(j.gpus)) for j in self.jobs.values()
-                      if j.holdings and j.name != job.name and j.name not in self.busy
+        ends = sorted((self.now + est_remaining_s(j), len(j.gpus)) for j in self.holding_jobs
+                      if j.name != job.name and j.name not in self.busy
                       and self.owner.get(j.gpus[0]) == j.name)
         for end_s, n in ends:
             avail += n
