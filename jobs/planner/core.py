@@ -50,6 +50,7 @@ from jobs.planner.snapshot import (
     Job,
     Reservation,
     Snapshot,
+    holding_gpus,
     live_jobs_by_name,
 )
 from jobs.planner.topology import ClusterView
@@ -126,9 +127,8 @@ class PlanningPass:
         self.capacity_blocked_rank = 99
         # How many jobs of each class hold GPUs, kept up to date by ``_emit`` (hold reasons).
         self.holders: dict[str, int] = {}
-        for job in self.jobs.values():
-            if job.holdings:
-                self.holders[job.priority] = self.holders.get(job.priority, 0) + 1
+        for job in holding_gpus(self.jobs.values()):
+            self.holders[job.priority] = self.holders.get(job.priority, 0) + 1
         # Teams: quotas, borrowing limits, fair share (rule 9), kept current by ``_emit``.
         pool_team = quota.pool_teams(snapshot.reservations, snapshot.jobs) if snapshot.teams else {}
         self.teams = TeamBook(snapshot.teams, self.jobs.values(),

@@ -7,6 +7,9 @@ GPUs do), so what a pass reads of such an object alone need not be worked out on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from itertools import compress
+from operator import is_not
 from typing import Any
 
 
@@ -29,3 +32,14 @@ class KeptById(dict[int, tuple]):
             self.clear()
             return True
         return False
+
+
+def changed_by_name(seen: Mapping[str, Any], jobs: Mapping[str, Any]) -> tuple[list[Any], list[str]]:
+    """What changed from one pass's jobs by name (``seen``) to the next's (``jobs``): the jobs of
+    ``jobs`` whose object is not the one ``seen`` had under its name (new, or a new snapshot of
+    it), and the names ``seen`` had that ``jobs`` lacks. Found by identity, without a Python step
+    per job that stands: an index kept between passes regroups only these."""
+    fresh = list(compress(jobs.values(), map(is_not, jobs.values(), map(seen.get, jobs))))
+    arrived = sum(1 for job in fresh if job.name not in seen)
+    gone = list(seen.keys() - jobs.keys()) if len(seen) != len(jobs) - arrived else []
+    return fresh, gone

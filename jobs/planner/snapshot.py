@@ -11,7 +11,7 @@ in production. Nothing here assumes the clock starts at zero.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, NamedTuple
@@ -295,9 +295,39 @@ _NAME = attrgetter("name")
 _PHASE = attrgetter("phase")
 
 
+def holding_gpus(jobs: Iterable[Job]) -> Iterator[Job]:
+    """The jobs of ``jobs`` that hold GPUs, in order: picked out without a Python-level step per
+    job (most of a long queue holds nothing)."""
+    return filter(_HOLDINGS, jobs)
+
+
+_HOLDINGS = attrgetter("holdings")
+
+
+#: A jobs tuple and its ``live_jobs_by_name``, as the snapshot's builder already had them (the
+#: simulator keeps its active jobs in name order): one slot, read as one tuple, taken only for
+#: that very tuple (the slot keeps it, so its identity is not reused while it stands).
+_NOTED: tuple[tuple[Job, ...], dict[str, Job]] | None = None
+
+
+def note_live_jobs_by_name(jobs: tuple[Job, ...], by_name: dict[str, Job]) -> None:
+    """Say that ``by_name`` is ``live_jobs_by_name(jobs)``, so a pass on ``jobs`` copies it."""
+    global _NOTED
+    _NOTED = (jobs, by_name)
+
+
 def live_jobs_by_name(jobs: Iterable[Job]) -> dict[str, Job]:
     """The jobs not over yet (``TERMINAL_PHASES``), by name in name order: every pass's index of
-    its snapshot's jobs (built without a Python-level step per job, as a long queue asks)."""
+    its snapshot's jobs (built without a Python-level step per job, as a long queue asks; a copy
+    of what ``note_live_jobs_by_name`` noted for this very tuple)."""
+    noted = _NOTED
+    if noted is not None and noted[0] is jobs:
+        return dict(noted[1])
+    return built_live_jobs_by_name(jobs)
+
+
+def built_live_jobs_by_name(jobs: Iterable[Job]) -> dict[str, Job]:
+    """``live_jobs_by_name`` worked out from the jobs themselves."""
     ordered = sorted(jobs, key=_NAME)
     if not TERMINAL_PHASES.isdisjoint(map(_PHASE, ordered)):
         ordered = [j for j in ordered if j.phase not in TERMINAL_PHASES]

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from jobs.planner.kept import KeptById
-from jobs.planner.snapshot import Gpu, Job, Node, Snapshot
+from jobs.planner.snapshot import Gpu, Job, Node, Snapshot, holding_gpus
 
 
 def topology_distance(a: Node, b: Node) -> int:
@@ -95,9 +95,7 @@ class ClusterView:
         self.owner: dict[Gpu, str] = {}
         self.held_by_node: dict[str, set[int]] = {}
         _HELD.trim(len(snapshot.jobs))
-        for job in snapshot.jobs:
-            if not job.holdings:
-                continue
+        for job in holding_gpus(snapshot.jobs):
             self.owner.update(dict.fromkeys(job.gpus, job.name))
             for node, idx in held_indexes(job):
                 held = self.held_by_node.get(node)

@@ -26,7 +26,7 @@ from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of
 from jobs.planner.quota import ages, reclaim_candidates, reclaim_words
 from jobs.planner.rhythm import predict, stop_time_s
-from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job
+from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job, holding_gpus
 from jobs.planner.starvation import is_aged, protected_by_min_run, protected_from_long_waiters, waited_s
 from jobs.planner.wording import duration_words, returning_sentence, signal_stop_words
 
@@ -376,8 +376,8 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
     """
     if state._victims_sorted is None:
         pool = [
-            j for j in state.jobs.values()
-            if j.holdings and j.phase in ("running", "checkpointing") and j.name not in state.busy
+            j for j in holding_gpus(state.jobs.values())
+            if j.phase in ("running", "checkpointing") and j.name not in state.busy
             and PRIORITY_RANK[j.priority] > 0
         ]
         config, now = state.config, state.now
@@ -390,13 +390,14 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
                                          tuple(dict.fromkeys(h.gpu.node for h in j.holdings)))
             facts[j.name] = hit
         pool.sort(key=lambda j: facts[j.name][2] or victim_sort_key(j, config, now))
-        nodes = state.nodes
+        nodes, zone_of = state.nodes, state.view.zone_of_node
+        # GPUs on a node low on disk free nothing anyone may use: they do not count.
+        low_disk = {n for n, node in nodes.items() if node.low_disk}
         state._victims_sorted = [
             VictimEntry(
                 job=j,
-                # GPUs on a node low on disk free nothing anyone may use: they do not count.
-                zones=frozenset(state.view.zone_of_node.get(n) for n in facts[j.name][3]
-                                if n not in nodes or not nodes[n].low_disk),
+                zones=frozenset(map(zone_of.get, facts[j.name][3] if not low_disk else
+                                    [n for n in facts[j.name][3] if n not in low_disk])),
                 rank=PRIORITY_RANK[j.priority],
                 protected=protected_by_min_run(j, state.now),
                 excess=j.current_dp > j.dp,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import PlanningPass
 from jobs.planner.decisions import Plan
+from jobs.planner.kept import changed_by_name
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import Job, Snapshot
 
@@ -96,19 +98,35 @@ class StaticPass(PlanningPass):
         # GPUs free (or coming back) in general capacity and its own pools (the long queue of a
         # full week: most passes have too few of those for any of it). An owner between its
         # windows only waits; jobs a fault left holding GPUs still go through the queue.
-        if self.explain:
+        if self.explain or self._may_start():
             super()._queue()
-            return
-        totals, soon = self.view.zone_total, self.soon_free
-        general = totals.get(None, 0) + soon.get(None, 0)
+
+    def _may_start(self) -> bool:
+        """Whether some job of the queue could start (or holds GPUs) in this pass."""
         lost = admission.lost_nodes(self)
-        for job in self.jobs.values():
-            if not admission.in_queue(self, job, lost):
-                continue
-            avail = general + sum(totals.get(r.name, 0) + soon.get(r.name, 0) for r in self.res_of_job.get(job.name, ()))
-            if job.holdings or (job.dp * job.tp * job.pp <= avail and self._dormant_between_windows(job) is None):
-                super()._queue()
-                return
+        if lost:  # jobs holding GPUs on a lost node are the queue's too: ask each job
+            return any(self._could_start(job, lost) for job in self.jobs.values())
+        # Else the queue is its waiting and recovering jobs, kept by size between passes
+        # (``_QueueSizes``): those holding GPUs go through it; a plain one needs its size free
+        # in general capacity; a reservation's job is asked on its own.
+        sizes = _queue_sizes()
+        sizes.update(self.jobs)
+        out = self.busy | self.acted
+        if sizes.holding - out:
+            return True
+        if any(self._could_start(self.jobs[name], lost) for name in self.res_of_job if name in self.jobs):
+            return True
+        general = self.view.zone_total.get(None, 0) + self.soon_free.get(None, 0)
+        out |= self.res_of_job.keys()
+        return any(len(names) > len(names & out) for size, names in sizes.by_size.items() if size <= general)
+
+    def _could_start(self, job: Job, lost: set[str]) -> bool:
+        if not admission.in_queue(self, job, lost):
+            return False
+        totals, soon = self.view.zone_total, self.soon_free
+        avail = totals.get(None, 0) + soon.get(None, 0) + sum(
+            totals.get(r.name, 0) + soon.get(r.name, 0) for r in self.res_of_job.get(job.name, ()))
+        return bool(job.holdings) or (job.dp * job.tp * job.pp <= avail and self._dormant_between_windows(job) is None)
 
     def _reservations(self) -> None:
         # Summarise pools (for zones) but never reclaim: nothing is ever lent.
@@ -125,6 +143,54 @@ class StaticPass(PlanningPass):
     def run(self) -> Plan:
         """Static queue: sort by tier then submit order (no ageing)."""
         return super().run()
+
+
+class _QueueSizes:
+    """The static baseline's waiting and recovering jobs, kept from one pass to the next: those
+    that hold GPUs, and the others by size (``dp * tp * pp``). Only the jobs whose snapshot is new
+    are looked at (``kept.changed_by_name``), not the whole queue on every pass."""
+
+    __slots__ = ("seen", "holding", "size_of", "by_size")
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Job] = {}
+        self.holding: set[str] = set()
+        self.size_of: dict[str, int] = {}
+        self.by_size: dict[int, set[str]] = {}
+
+    def update(self, jobs: dict[str, Job]) -> None:
+        fresh, gone = changed_by_name(self.seen, jobs)
+        for name in gone:
+            self._drop(name)
+        for job in fresh:
+            self._drop(job.name)
+            if job.phase in admission.QUEUE_PHASES:
+                if job.holdings:
+                    self.holding.add(job.name)
+                else:
+                    size = self.size_of[job.name] = job.dp * job.tp * job.pp
+                    self.by_size.setdefault(size, set()).add(job.name)
+        self.seen = jobs
+
+    def _drop(self, name: str) -> None:
+        self.holding.discard(name)
+        size = self.size_of.pop(name, None)
+        if size is not None:
+            names = self.by_size[size]
+            names.discard(name)
+            if not names:
+                del self.by_size[size]
+
+
+_KEPT = threading.local()
+
+
+def _queue_sizes() -> _QueueSizes:
+    """This thread's ``_QueueSizes`` (a replay's passes run one after another)."""
+    sizes = getattr(_KEPT, "sizes", None)
+    if sizes is None:
+        sizes = _KEPT.sizes = _QueueSizes()
+    return sizes
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,7 +13,17 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING
 
-from jobs.planner.snapshot import Command, Holding, Job, Node, Reservation, Rhythm, Snapshot
+from jobs.planner.snapshot import (
+    Command,
+    Holding,
+    Job,
+    Node,
+    Reservation,
+    Rhythm,
+    Snapshot,
+    built_live_jobs_by_name,
+    note_live_jobs_by_name,
+)
 from jobs.simulator.state import SimJob
 
 if TYPE_CHECKING:
@@ -121,8 +131,13 @@ class PlannerView:
                 loud.add(name)
         self.touched.clear()
         jobs = tuple(map(views.__getitem__, self.names))
+        # The active jobs are live and kept in name order: the pass's index of them is this.
+        by_name = dict(zip(self.names, jobs, strict=True))
+        note_live_jobs_by_name(jobs, by_name)
         if sim.full_check:
             self.check(sim, jobs, parked, with_op)
+            if list(by_name.items()) != list(built_live_jobs_by_name(jobs).items()):
+                raise RuntimeError(f"snapshot at t={sim.now}: the jobs by name noted are not the live jobs in name order")
         # A team's reservation outlives its jobs: the planner resolves whom it guarantees.
         reservations = tuple(r for r in sim.reservations if r.team or sim.jobs[r.job].terminal is None)
         if parked:

@@ -163,3 +163,46 @@ def test_the_peers_walk_by_shape_decides_as_their_walk_job_by_job(
     monkeypatch.setattr(PeerPass, "walk_queue", walk_job_by_job)
     assert _figures(simulate(scenario, policy)) == _figures(by_shape)
     assert skips["n"] > 1000, skips  # the queue was long and hopeless shapes were skipped
+
+
+@pytest.mark.parametrize("seed", (5, 11))
+def test_static_asks_its_kept_queue_what_asking_every_job_answers(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``StaticPass._may_start`` reads the waiting jobs kept by size between passes; asking each
+    # job of the pass (``_could_start``) must answer the same on every pass, node loss included.
+    from jobs.planner import admission
+    from jobs.simulator.policies import StaticPass
+
+    kept_answer = StaticPass._may_start
+    answers = {True: 0, False: 0}
+
+    def both(self):
+        got = kept_answer(self)
+        lost = admission.lost_nodes(self)
+        assert got == any(self._could_start(job, lost) for job in self.jobs.values())
+        answers[got] += 1
+        return got
+
+    monkeypatch.setattr(StaticPass, "_may_start", both)
+    data = queued_scenario(seed, jobs_n=240, switches=4)
+    for job in data["jobs"][::7]:  # some arrive while others recover from the node's loss
+        job["submit_s"] = 30_500
+    simulate(parse_scenario(data), "static")
+    assert answers[True] > 50 and answers[False] > 50, answers
+
+
+def test_static_sends_a_job_that_waits_holding_gpus_through_the_queue() -> None:
+    # A job back from a fault with its survivors (recovering, holding GPUs, no node lost now)
+    # goes through the queue even on a full cluster; with a stop in flight for it, it does not.
+    from jobs.planner.config import PlannerConfig
+    from jobs.planner.snapshot import Command
+    from jobs.simulator.policies import StaticPass
+    from tests.planner.factory import cluster, gpus_on, job, snapshot
+
+    nodes = cluster(switches=1, per_switch=2)
+    survivor = job("survivor", tp=4, gpus=gpus_on(nodes[0].name, per_node=4), phase="recovering")
+    full = job("full", tp=8, dp=1, gpus=gpus_on(nodes[1].name))
+    waiting = job("waiting", tp=8)
+    config = PlannerConfig().with_overrides({"explain_holds": False})
+    assert StaticPass(snapshot(nodes, [full, survivor, waiting]), 0.0, config)._may_start()
+    busy = (Command("c1", "survivor", "grow", None, ()),)  # in flight, giving nothing back
+    assert not StaticPass(snapshot(nodes, [full, survivor, waiting], commands=busy), 0.0, config)._may_start()

@@ -15,14 +15,13 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import is_not
 from typing import Any, TypeVar
 
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import team_reservation_owner
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active
+from jobs.planner.kept import changed_by_name
 from jobs.planner.layout import accum_steps, batch_divides
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import step_time_at
@@ -41,7 +40,6 @@ INFINITY = math.inf
 T = TypeVar("T")
 
 
-
 class PassIndex:
     """A peer's plain waiters by shape, and its jobs that hold GPUs, kept from one pass to the next.
 
@@ -49,7 +47,7 @@ class PassIndex:
     shape (class, team, TP, PP, sizes: ``PeerPass.plain_shape``) reads only the job, so the
     groups change only where a job's snapshot does; the simulator hands a pass the same ``Job``
     while a job stands. ``update`` finds the jobs whose snapshot is new against the last pass's
-    index by name, without a Python step per job, and regroups only those: a long quiet queue is
+    index by name (``kept.changed_by_name``) and regroups only those: a long quiet queue is
     not visited job by job on every pass. What a pass itself rules out (a stop in flight, a job
     decided already, a reservation's job) it leaves out when it walks (``PeerPass.walk_queue``).
     The jobs that hold GPUs (``holders``) are the few a pass's view of the cluster is built from.
@@ -66,14 +64,12 @@ class PassIndex:
 
     def update(self, jobs: dict[str, Job], shape_of: Callable[[Job], tuple]) -> None:
         """Regroup for this pass's live jobs by name (``live_jobs_by_name``), which it keeps."""
-        seen = self.seen
-        new_names = 0
-        for job in compress(jobs.values(), map(is_not, jobs.values(), map(seen.get, jobs))):
+        fresh, gone = changed_by_name(self.seen, jobs)
+        for name in gone:
+            self._drop(name)
+        for job in fresh:
             name = job.name
-            if name in seen:
-                self._drop(name)
-            else:
-                new_names += 1
+            self._drop(name)
             if job.holdings:
                 self.holders.add(name)
             if (job.phase in WAITING_PHASES or job.phase == "recovering") and not job.parked:
@@ -88,9 +84,6 @@ class PassIndex:
                     else:
                         bisect.insort(members, entry)
                     self.member[name] = (shape, entry)
-        if len(seen) != len(jobs) - new_names:  # some job is over
-            for name in seen.keys() - jobs.keys():
-                self._drop(name)
         self.seen = jobs
 
     def _drop(self, name: str) -> None:
