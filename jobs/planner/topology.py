@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from jobs.planner.kept import KeptById
-from jobs.planner.snapshot import Gpu, Job, Node, Snapshot, holding_gpus
+from jobs.planner.snapshot import Gpu, Job, Node, Reservation, Snapshot, holding_gpus
 
 
 def topology_distance(a: Node, b: Node) -> int:
@@ -87,11 +87,8 @@ class ClusterView:
         self.nodes: dict[str, Node] = static.nodes
         self.switch_of = static.switch_of
         self.nodes_of_switch = static.nodes_of_switch
-        self.zone_of_node: dict[str, str | None] = dict.fromkeys(self.nodes)
-        for res in sorted(snapshot.reservations, key=lambda r: r.name):
-            for node in res.nodes:
-                if node in self.zone_of_node and self.zone_of_node[node] is None:
-                    self.zone_of_node[node] = res.name
+        #: Each node's zone: the first reservation (by name) that covers it, else None (never mutated).
+        self.zone_of_node: Mapping[str, str | None] = _zone_map(static, snapshot.reservations)
         self.owner: dict[Gpu, str] = {}
         self.held_by_node: dict[str, set[int]] = {}
         _HELD.trim(len(snapshot.jobs))
@@ -313,6 +310,30 @@ def _static_topology(nodes: tuple[Node, ...]) -> _StaticTopology:
     static = _StaticTopology(by_name, sorted(by_name), {n.name: (n.rack, n.switch) for n in nodes}, of_switch)
     _TOPOLOGY_CACHE[:] = [(nodes, static)]
     return static
+
+
+_ZONE_MAP_CACHE: list[tuple[_StaticTopology, tuple, dict[str, str | None]]] = []
+
+
+def _zone_map(static: _StaticTopology, reservations: Iterable[Reservation]) -> dict[str, str | None]:
+    """Each node's zone: the first reservation, by name, whose nodes include it; else None.
+
+    The same map object while the nodes and the reservations' names and nodes stand (a new
+    window of the same reservation changes neither), so what a pass works out of it once may be
+    kept by its identity (``victims.victim_pool``); the map is never mutated.
+    """
+    ordered = sorted(reservations, key=lambda r: r.name)
+    key = tuple((r.name, r.nodes) for r in ordered)
+    kept = _ZONE_MAP_CACHE[0] if _ZONE_MAP_CACHE else None
+    if kept is not None and kept[0] is static and kept[1] == key:
+        return kept[2]
+    zone_of_node: dict[str, str | None] = dict.fromkeys(static.nodes)
+    for res in ordered:
+        for node in res.nodes:
+            if node in zone_of_node and zone_of_node[node] is None:
+                zone_of_node[node] = res.name
+    _ZONE_MAP_CACHE[:] = [(static, key, zone_of_node)]
+    return zone_of_node
 
 
 def choose_gpus(

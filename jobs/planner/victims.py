@@ -16,7 +16,7 @@ per pass in victim order) for the cheapest set that makes room for a waiting job
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from typing import TYPE_CHECKING
 
@@ -366,6 +366,9 @@ def take_from_victims(
 #: (job snapshot, the config, its ``victim_sort_key`` when that reads nothing of the instant (an
 #: Omni job's), its nodes in holding order), for ``victim_pool``.
 _VICTIM_FACTS = KeptById()
+#: (job snapshot, the zone map, the nodes low on disk, the config, the instant, its ``VictimEntry``):
+#: an entry is reused while the job, the zones and the config stand and its flags still hold.
+_VICTIM_ENTRIES = KeptById()
 
 
 def victim_pool(state: PlanningPass) -> list[VictimEntry]:
@@ -390,22 +393,36 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
                                          tuple(dict.fromkeys(h.gpu.node for h in j.holdings)))
             facts[j.name] = hit
         pool.sort(key=lambda j: facts[j.name][2] or victim_sort_key(j, config, now))
-        nodes, zone_of = state.nodes, state.view.zone_of_node
+        zone_of = state.view.zone_of_node
         # GPUs on a node low on disk free nothing anyone may use: they do not count.
-        low_disk = {n for n, node in nodes.items() if node.low_disk}
-        state._victims_sorted = [
-            VictimEntry(
-                job=j,
-                zones=frozenset(map(zone_of.get, facts[j.name][3] if not low_disk else
-                                    [n for n in facts[j.name][3] if n not in low_disk])),
-                rank=PRIORITY_RANK[j.priority],
-                protected=protected_by_min_run(j, state.now),
-                excess=j.current_dp > j.dp,
-                aged=is_aged(j, state.now, state.config),
-                turn_protected=protected_from_long_waiters(j, state.now),
-            )
-            for j in pool
-        ]
+        low_disk = frozenset(n for n, node in state.nodes.items() if node.low_disk)
+        _VICTIM_ENTRIES.trim(len(state.jobs))
+        entries = []
+        for j in pool:
+            hit = _VICTIM_ENTRIES.get(id(j))
+            if hit is not None and hit[0] is j and hit[1] is zone_of and hit[2] == low_disk and hit[3] is config:
+                entry = hit[5]
+                # A job's minimum run only ends as time goes on: an entry protected by none
+                # stays so (and a pool job holds GPUs, so it is never aged).
+                if entry.protected or entry.turn_protected or now < hit[4]:
+                    protected, turn = protected_by_min_run(j, now), protected_from_long_waiters(j, now)
+                    if (protected, turn) != (entry.protected, entry.turn_protected):
+                        entry = replace(entry, protected=protected, turn_protected=turn)
+                        _VICTIM_ENTRIES.keep(j, zone_of, low_disk, config, now, entry)
+            else:
+                entry = VictimEntry(
+                    job=j,
+                    zones=frozenset(map(zone_of.get, facts[j.name][3] if not low_disk else
+                                        [n for n in facts[j.name][3] if n not in low_disk])),
+                    rank=PRIORITY_RANK[j.priority],
+                    protected=protected_by_min_run(j, now),
+                    excess=j.current_dp > j.dp,
+                    aged=is_aged(j, now, config),
+                    turn_protected=protected_from_long_waiters(j, now),
+                )
+                _VICTIM_ENTRIES.keep(j, zone_of, low_disk, config, now, entry)
+            entries.append(entry)
+        state._victims_sorted = entries
         state._victims_acted_seen = len(state.acted)
         state._victims_head = 0
     elif len(state.acted) - state._victims_acted_seen >= max(16, len(state._victims_sorted) // 8):

@@ -54,3 +54,73 @@ def test_kept_facts_stand_for_their_own_object_only_and_are_forgotten_when_they_
     for k in range(1025):
         kept.keep(_job(f"j{k}", ()), k)
     assert len(kept) > 1024 and kept.trim(in_sight=0) and len(kept) == 0
+
+
+def test_a_noted_jobs_by_name_is_taken_for_its_own_tuple_only() -> None:
+    jobs = tuple(_job(f"j{k}", ()) for k in range(5))
+    noted = {"j0": jobs[0]}  # deliberately not what the tuple holds: it is taken as noted
+    snapshot_module.note_live_jobs_by_name(jobs, noted)
+    got = live_jobs_by_name(jobs)
+    assert got == noted and got is not noted  # a copy: a pass's index is its own
+    assert list(live_jobs_by_name(tuple(list(jobs)))) == [f"j{k}" for k in range(5)]  # an equal tuple is worked out
+
+
+@pytest.mark.parametrize("policy", ("omni", "kill_preempt"))
+def test_victim_entries_kept_between_passes_are_what_a_fresh_build_gives(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``victim_pool`` reuses a job's entry while the job snapshot, the zone map and the config
+    # stand and its minimum-run flags still hold; each pass's pool is built again from nothing
+    # (no entry kept) and must be equal, entry for entry.
+    from jobs.planner import victims
+    from jobs.simulator import parse_scenario, simulate
+    from tests.simulator.test_quiet_holds import queued_scenario
+
+    kept_build = victims.victim_pool
+    seen = {"builds": 0, "protected": 0}
+
+    def both(state):
+        if state._victims_sorted is not None:
+            return kept_build(state)
+        kept = list(kept_build(state))
+        saved = dict(victims._VICTIM_ENTRIES)
+        victims._VICTIM_ENTRIES.clear()
+        state._victims_sorted = None
+        fresh = kept_build(state)
+        assert kept == fresh
+        victims._VICTIM_ENTRIES.clear()
+        victims._VICTIM_ENTRIES.update(saved)
+        seen["builds"] += 1
+        seen["protected"] += sum(e.protected or e.turn_protected for e in fresh)
+        return fresh
+
+    monkeypatch.setattr(victims, "victim_pool", both)
+    data = queued_scenario(5, jobs_n=240, switches=4)
+    for job in data["jobs"][::9]:  # lenders of idle phases: their pools come and go, and the zones with them
+        job["idle_phases"] = [{"every_steps": 100, "duration_s": 1200}]
+    simulate(parse_scenario(data), policy)
+    assert seen["builds"] > 100 and seen["protected"] > 100, seen
+
+
+def test_a_kept_victim_entry_follows_the_zones_and_the_minimum_run() -> None:
+    # The same job snapshot across passes: its entry's zones follow the reservations' nodes, and
+    # its minimum-run protection ends when the run has lasted min_run_s.
+    from jobs.planner.config import PlannerConfig
+    from jobs.planner.core import PlanningPass
+    from jobs.planner.snapshot import Reservation
+    from jobs.planner.victims import victim_pool
+    from tests.planner.factory import cluster, gpus_on, job, snapshot
+
+    nodes = cluster(switches=1, per_switch=2)
+    victim = job("victim", priority="best_effort", gpus=gpus_on(nodes[0].name), min_run_s=600.0, run_started_s=0.0)
+    pool = Reservation("pool", "owner", 8, nodes=(nodes[0].name,))
+    owner = job("owner", priority="critical")
+    config = PlannerConfig()
+
+    def entry(now: float, reservations: tuple) -> object:
+        [got] = victim_pool(PlanningPass(snapshot(nodes, [owner, victim], reservations), now, config))
+        return got
+
+    assert entry(100.0, (pool,)).zones == {"pool"} and entry(100.0, (pool,)).protected
+    assert entry(200.0, ()).zones == {None}
+    assert entry(300.0, (pool,)).zones == {"pool"}
+    assert not entry(700.0, (pool,)).protected
