@@ -81,6 +81,8 @@ class _WaiterMemo:
         self.final_from = INFINITY
         self.fitted_to: tuple | None = None
         self.unfit = False
+
+
 # The hold cause of a job that can never run on this cluster as it is (pages show it no ETA).
 CANNOT_FIT = "cannot_fit"
 

@@ -34,12 +34,33 @@ class KeptById(dict[int, tuple]):
         return False
 
 
-def changed_by_name(seen: Mapping[str, Any], jobs: Mapping[str, Any]) -> tuple[list[Any], list[str]]:
-    """What changed from one pass's jobs by name (``seen``) to the next's (``jobs``): the jobs of
-    ``jobs`` whose object is not the one ``seen`` had under its name (new, or a new snapshot of
-    it), and the names ``seen`` had that ``jobs`` lacks. Found by identity, without a Python step
-    per job that stands: an index kept between passes regroups only these."""
-    fresh = list(compress(jobs.values(), map(is_not, jobs.values(), map(seen.get, jobs))))
-    arrived = sum(1 for job in fresh if job.name not in seen)
-    gone = list(seen.keys() - jobs.keys()) if len(seen) != len(jobs) - arrived else []
-    return fresh, gone
+class KeptByName:
+    """An index of a pass's jobs kept from one pass to the next, changed only where they did.
+
+    ``update`` compares this pass's live jobs by name with the last pass's by identity, without
+    a Python step per job that stands (the simulator hands a pass the same ``Job`` while a job
+    stands), and calls ``drop`` for each name that is gone or has a new snapshot, then ``add``
+    for each new snapshot. A subclass keeps what it needs of a job in those two.
+    """
+
+    def __init__(self) -> None:
+        self.seen: Mapping[str, Any] = {}  # the last pass's live jobs by name
+
+    def update(self, jobs: Mapping[str, Any]) -> None:
+        """Bring the index to this pass's live jobs by name (``live_jobs_by_name``), kept as is."""
+        seen = self.seen
+        fresh = list(compress(jobs.values(), map(is_not, jobs.values(), map(seen.get, jobs))))
+        arrived = sum(1 for job in fresh if job.name not in seen)
+        if len(seen) != len(jobs) - arrived:  # some job is over
+            for name in seen.keys() - jobs.keys():
+                self.drop(name)
+        for job in fresh:
+            self.drop(job.name)
+            self.add(job)
+        self.seen = jobs
+
+    def add(self, job: Any) -> None:  # pragma: no cover - each index gives its own
+        raise NotImplementedError
+
+    def drop(self, name: str) -> None:  # pragma: no cover - each index gives its own
+        raise NotImplementedError

@@ -293,15 +293,13 @@ class Snapshot:
 
 _NAME = attrgetter("name")
 _PHASE = attrgetter("phase")
+_HOLDINGS = attrgetter("holdings")
 
 
 def holding_gpus(jobs: Iterable[Job]) -> Iterator[Job]:
     """The jobs of ``jobs`` that hold GPUs, in order: picked out without a Python-level step per
     job (most of a long queue holds nothing)."""
     return filter(_HOLDINGS, jobs)
-
-
-_HOLDINGS = attrgetter("holdings")
 
 
 #: A jobs tuple and its ``live_jobs_by_name``, as the snapshot's builder already had them (the

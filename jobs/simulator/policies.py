@@ -29,7 +29,7 @@ from jobs.planner import plan as omni_plan
 from jobs.planner.config import PlannerConfig
 from jobs.planner.core import PlanningPass
 from jobs.planner.decisions import Plan
-from jobs.planner.kept import changed_by_name
+from jobs.planner.kept import KeptByName
 from jobs.planner.rhythm import step_time_at
 from jobs.planner.snapshot import Job, Snapshot
 
@@ -145,34 +145,26 @@ class StaticPass(PlanningPass):
         return super().run()
 
 
-class _QueueSizes:
-    """The static baseline's waiting and recovering jobs, kept from one pass to the next: those
-    that hold GPUs, and the others by size (``dp * tp * pp``). Only the jobs whose snapshot is new
-    are looked at (``kept.changed_by_name``), not the whole queue on every pass."""
-
-    __slots__ = ("seen", "holding", "size_of", "by_size")
+class _QueueSizes(KeptByName):
+    """The static baseline's waiting and recovering jobs, kept from one pass to the next
+    (``KeptByName``): those that hold GPUs, and the others by size (``dp * tp * pp``)."""
 
     def __init__(self) -> None:
-        self.seen: dict[str, Job] = {}
+        super().__init__()
         self.holding: set[str] = set()
         self.size_of: dict[str, int] = {}
         self.by_size: dict[int, set[str]] = {}
 
-    def update(self, jobs: dict[str, Job]) -> None:
-        fresh, gone = changed_by_name(self.seen, jobs)
-        for name in gone:
-            self._drop(name)
-        for job in fresh:
-            self._drop(job.name)
-            if job.phase in admission.QUEUE_PHASES:
-                if job.holdings:
-                    self.holding.add(job.name)
-                else:
-                    size = self.size_of[job.name] = job.dp * job.tp * job.pp
-                    self.by_size.setdefault(size, set()).add(job.name)
-        self.seen = jobs
+    def add(self, job: Job) -> None:
+        if job.phase not in admission.QUEUE_PHASES:
+            return
+        if job.holdings:
+            self.holding.add(job.name)
+        else:
+            size = self.size_of[job.name] = job.dp * job.tp * job.pp
+            self.by_size.setdefault(size, set()).add(job.name)
 
-    def _drop(self, name: str) -> None:
+    def drop(self, name: str) -> None:
         self.holding.discard(name)
         size = self.size_of.pop(name, None)
         if size is not None:
@@ -182,14 +174,15 @@ class _QueueSizes:
                 del self.by_size[size]
 
 
-_KEPT = threading.local()
+#: Per thread: its ``_QueueSizes`` (a replay's passes run one after another).
+_QUEUE_SIZES = threading.local()
 
 
 def _queue_sizes() -> _QueueSizes:
-    """This thread's ``_QueueSizes`` (a replay's passes run one after another)."""
-    sizes = getattr(_KEPT, "sizes", None)
+    """This thread's ``_QueueSizes``."""
+    sizes = getattr(_QUEUE_SIZES, "sizes", None)
     if sizes is None:
-        sizes = _KEPT.sizes = _QueueSizes()
+        sizes = _QUEUE_SIZES.sizes = _QueueSizes()
     return sizes
 
 

@@ -43,7 +43,7 @@ def a_job(rng: random.Random, name: str):
 @pytest.mark.parametrize("seed", range(20))
 def test_kept_between_passes_it_is_what_a_fresh_grouping_gives(seed: int) -> None:
     rng = random.Random(seed)
-    plain = PassIndex()
+    index = PassIndex(shape_of)
     current = {f"j{i:03d}": a_job(rng, f"j{i:03d}") for i in range(60)}
     regrouped = 0
     for _pass in range(40):
@@ -57,23 +57,23 @@ def test_kept_between_passes_it_is_what_a_fresh_grouping_gives(seed: int) -> Non
             name = f"j{rng.randrange(1000):03d}"
             current[name] = a_job(rng, name)
         jobs = live_jobs_by_name(current.values())
-        plain.update(jobs, shape_of)
+        index.update(jobs)
         groups, holding = from_scratch(jobs)
-        assert plain.groups == groups
-        assert plain.holding == holding
-        assert plain.holders == {j.name for j in jobs.values() if j.holdings}
-        assert {n: s for n, (s, _) in plain.member.items()} == {
+        assert index.groups == groups
+        assert index.holding == holding
+        assert index.holders == {j.name for j in jobs.values() if j.holdings}
+        assert {n: s for n, (s, _) in index.member.items()} == {
             m[1]: s for s, members in groups.items() for m in members}
         regrouped += len(groups)
     assert regrouped > 100  # the passes had waiters to group
 
 
 def test_a_job_that_ends_leaves_its_group_and_an_empty_group_goes() -> None:
-    plain = PassIndex()
+    index = PassIndex(shape_of)
     a, b = job("a", tp=1, submit_s=1.0), job("b", tp=1, submit_s=2.0)
-    plain.update({"a": a, "b": b}, shape_of)
-    assert [m[1] for m in plain.groups[shape_of(a)]] == ["a", "b"]
-    plain.update({"b": b}, shape_of)
-    assert [m[1] for m in plain.groups[shape_of(a)]] == ["b"]
-    plain.update({"b": job("b", tp=1, submit_s=2.0, phase="running", gpus=(Gpu("n0", 0),))}, shape_of)
-    assert plain.groups == {} and plain.member == {} and plain.holding == set() and plain.holders == {"b"}
+    index.update({"a": a, "b": b})
+    assert [m[1] for m in index.groups[shape_of(a)]] == ["a", "b"]
+    index.update({"b": b})
+    assert [m[1] for m in index.groups[shape_of(a)]] == ["b"]
+    index.update({"b": job("b", tp=1, submit_s=2.0, phase="running", gpus=(Gpu("n0", 0),))})
+    assert index.groups == {} and index.member == {} and index.holding == set() and index.holders == {"b"}

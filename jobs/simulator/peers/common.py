@@ -21,7 +21,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.core import team_reservation_owner
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active
-from jobs.planner.kept import changed_by_name
+from jobs.planner.kept import KeptByName
 from jobs.planner.layout import accum_steps, batch_divides
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import step_time_at
@@ -40,53 +40,44 @@ INFINITY = math.inf
 T = TypeVar("T")
 
 
-class PassIndex:
+class PassIndex(KeptByName):
     """A peer's plain waiters by shape, and its jobs that hold GPUs, kept from one pass to the next.
 
     A plain waiter wants GPUs (pending, preempted or recovering, not parked) and holds none. Its
     shape (class, team, TP, PP, sizes: ``PeerPass.plain_shape``) reads only the job, so the
-    groups change only where a job's snapshot does; the simulator hands a pass the same ``Job``
-    while a job stands. ``update`` finds the jobs whose snapshot is new against the last pass's
-    index by name (``kept.changed_by_name``) and regroups only those: a long quiet queue is
-    not visited job by job on every pass. What a pass itself rules out (a stop in flight, a job
+    groups change only where a job's snapshot does (``KeptByName``): a long quiet queue is not
+    visited job by job on every pass. What a pass itself rules out (a stop in flight, a job
     decided already, a reservation's job) it leaves out when it walks (``PeerPass.walk_queue``).
     The jobs that hold GPUs (``holders``) are the few a pass's view of the cluster is built from.
     """
 
-    __slots__ = ("seen", "groups", "member", "holding", "holders")
-
-    def __init__(self) -> None:
-        self.seen: dict[str, Job] = {}  # the last pass's live jobs by name
+    def __init__(self, shape_of: Callable[[Job], tuple]) -> None:
+        super().__init__()
+        self.shape_of = shape_of
         self.groups: dict[tuple, list[tuple]] = {}  # shape -> members (submit_s, name, job), sorted
         self.member: dict[str, tuple[tuple, tuple]] = {}  # name -> (shape, member)
         self.holding: set[str] = set()  # jobs that want GPUs and hold some (survivors of a fault)
         self.holders: set[str] = set()  # jobs that hold GPUs
 
-    def update(self, jobs: dict[str, Job], shape_of: Callable[[Job], tuple]) -> None:
-        """Regroup for this pass's live jobs by name (``live_jobs_by_name``), which it keeps."""
-        fresh, gone = changed_by_name(self.seen, jobs)
-        for name in gone:
-            self._drop(name)
-        for job in fresh:
-            name = job.name
-            self._drop(name)
-            if job.holdings:
-                self.holders.add(name)
-            if (job.phase in WAITING_PHASES or job.phase == "recovering") and not job.parked:
-                if job.holdings:
-                    self.holding.add(name)
-                else:
-                    shape = shape_of(job)
-                    entry = (job.submit_s, name, job)
-                    members = self.groups.get(shape)
-                    if members is None:
-                        self.groups[shape] = [entry]
-                    else:
-                        bisect.insort(members, entry)
-                    self.member[name] = (shape, entry)
-        self.seen = jobs
+    def add(self, job: Job) -> None:
+        name = job.name
+        if job.holdings:
+            self.holders.add(name)
+        if (job.phase not in WAITING_PHASES and job.phase != "recovering") or job.parked:
+            return
+        if job.holdings:
+            self.holding.add(name)
+            return
+        shape = self.shape_of(job)
+        entry = (job.submit_s, name, job)
+        members = self.groups.get(shape)
+        if members is None:
+            self.groups[shape] = [entry]
+        else:
+            bisect.insort(members, entry)
+        self.member[name] = (shape, entry)
 
-    def _drop(self, name: str) -> None:
+    def drop(self, name: str) -> None:
         self.holding.discard(name)
         self.holders.discard(name)
         hit = self.member.pop(name, None)
@@ -105,13 +96,13 @@ class PassIndex:
 _INDEXES = threading.local()
 
 
-def _index_of(peer: type) -> PassIndex:
+def _index_of(peer: type[PeerPass]) -> PassIndex:
     by_class = getattr(_INDEXES, "by_class", None)
     if by_class is None:
         by_class = _INDEXES.by_class = {}
     index = by_class.get(peer)
     if index is None:
-        index = by_class[peer] = PassIndex()
+        index = by_class[peer] = PassIndex(peer.plain_shape)
     return index
 
 
@@ -161,7 +152,7 @@ class PeerPass:
         self.nodes = {n.name: n for n in snapshot.nodes}
         self.jobs: dict[str, Job] = live_jobs_by_name(snapshot.jobs)
         self.index = _index_of(type(self))
-        self.index.update(self.jobs, self.plain_shape)
+        self.index.update(self.jobs)
         #: The jobs that hold GPUs, in name order (most of a long queue holds nothing).
         self.holding_jobs: list[Job] = [self.jobs[name] for name in sorted(self.index.holders)]
         self.busy = {c.job for c in snapshot.commands}
@@ -399,16 +390,19 @@ class PeerPass:
     # job of the same shape, class and team hopeless too until something is decided: a long
     # queue then costs one hold per job, not one search.
 
-    def _shape(self, job: Job, low: int, high: int) -> tuple:
+    @staticmethod
+    def _shape(job: Job, low: int, high: int) -> tuple:
         return ("hopeless", job.priority, job.team, job.tp, job.pp, job.dp, low, high)
 
-    def plain_range(self, job: Job) -> tuple[int, int]:
+    @staticmethod
+    def plain_range(job: Job) -> tuple[int, int]:
         """``size_range`` of a job no reservation names (it reads nothing of the pass)."""
         return job.dp_min, job.dp
 
-    def plain_shape(self, job: Job) -> tuple:
-        """The shape of a plain waiter (``PassIndex``)."""
-        return self._shape(job, *self.plain_range(job))
+    @classmethod
+    def plain_shape(cls, job: Job) -> tuple:
+        """The shape of a plain waiter (``PassIndex``): the peer's, whatever the pass."""
+        return cls._shape(job, *cls.plain_range(job))
 
     def walk_queue(self, key: Callable[[Job], tuple], decide: Callable[[Job], Any], grouped: bool = True,
                    prepare: Callable[[list[Job]], None] | None = None) -> None:
@@ -429,22 +423,22 @@ class PeerPass:
         if not grouped:
             ungrouped, groups = self.waiting(), {}
         else:
-            plain = self.index
+            index = self.index
             reserving = self.res_of_job
             # The few a pass rules out of the groups: a stop in flight, decided already, or named
             # by a reservation (walked one by one, with what it is entitled to).
-            out = (self.busy | self.acted | reserving.keys()) & plain.member.keys()
-            groups = plain.groups
+            out = (self.busy | self.acted | reserving.keys()) & index.member.keys()
+            groups = index.groups
             if out:
                 groups = dict(groups)
-                for shape in {plain.member[name][0] for name in out}:
+                for shape in {index.member[name][0] for name in out}:
                     kept = [m for m in groups[shape] if m[1] not in out]
                     if kept:
                         groups[shape] = kept
                     else:
                         del groups[shape]
             jobs = self.jobs
-            names = sorted((plain.holding | reserving.keys()) & jobs.keys())
+            names = sorted((index.holding | reserving.keys()) & jobs.keys())
             ungrouped = [j for j in map(jobs.__getitem__, names) if self.wants(j)]
         if prepare is not None:
             prepare(ungrouped + [members[0][2] for members in groups.values()])

@@ -58,7 +58,8 @@ class ElasticPass(PeerPass):
         low, _ = super().size_range(job)
         return low, job.dp_max
 
-    def plain_range(self, job: Job) -> tuple[int, int]:
+    @staticmethod
+    def plain_range(job: Job) -> tuple[int, int]:
         return job.dp_min, job.dp_max
 
     def admit(self, job: Job) -> None:
