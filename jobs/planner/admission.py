@@ -22,7 +22,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.faults import continue_on_survivors, surviving_replicas
-from jobs.planner.harvest import fits_in_grace, loan_notes, open_pools, refused_loan_notes
+from jobs.planner.harvest import loan_notes, may_borrow_unannounced, open_pools, refused_loan_notes
 from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, valid_dps
 from jobs.planner.queue_walk import walk_by_groups
@@ -57,7 +57,8 @@ TIER_OTHER = 3
 # A quiet pass's groups of plain waiters (``_walk_quietly``): (GPUs at the smallest size, queue
 # standing, class, long waiter, tp, pp), and each member as (waiting since, name, its shortest
 # worthwhile loan at its smallest size (``min_loan_window_s``), whether it can stop within the
-# grace (``fits_in_grace``), job).
+# grace or be stopped unsaved, so may borrow a pool whose need may come at any moment
+# (``harvest.may_borrow_unannounced``), job).
 Group = tuple[int, int, int, bool, int, int]
 Waiter = tuple[float, str, float, bool, Job]
 # What ``_quiet_group`` reads of a plain waiter itself: (GPUs at its smallest size or None, class
@@ -218,7 +219,7 @@ def _plain_waiter(job: Job, config: PlannerConfig) -> PlainWaiter | None:
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
     window_s = min_loan_window_s(job, sizes[0], config) if sizes else INFINITY
     return (sizes[0] * job.tp * job.pp if sizes else None, PRIORITY_RANK[job.priority],
-            job.priority == "regular", since, (since, job.name, window_s, fits_in_grace(job, config), job),
+            job.priority == "regular", since, (since, job.name, window_s, may_borrow_unannounced(job, config), job),
             job.tp, job.pp)
 
 
@@ -345,14 +346,14 @@ def free_for_anyone(state: PlanningPass) -> float:
     return sum(totals.values())
 
 
-def group_blocked(state: PlanningPass, sig: Group, window_s: float, fits_grace: bool) -> bool:
+def group_blocked(state: PlanningPass, sig: Group, window_s: float, unannounced_ok: bool) -> bool:
     """Whether ``admit``'s quick hold (its first test, or the one on the zones a job may use)
     would hold every plain waiter of group ``sig`` now: it does for the member that may borrow
-    the most, whose shortest worthwhile loan is ``window_s`` and which can stop within the grace
-    if ``fits_grace`` (``harvest.open_pools``: a shorter loan, or fitting the grace, never opens
-    fewer GPUs), so it does for each."""
+    the most, whose shortest worthwhile loan is ``window_s`` and which may borrow a pool whose
+    need may come at any moment if ``unannounced_ok`` (``harvest.open_pools``: a shorter loan, or
+    being allowed such pools, never opens fewer GPUs), so it does for each."""
     need, _, _, _, tp, pp = sig
-    zones = open_pools(state, {None: None}, lambda: window_s, lambda: fits_grace)
+    zones = open_pools(state, {None: None}, lambda: window_s, lambda: unannounced_ok)
     return blocked_in(state, zones, tp, pp, need // (tp * pp))[0]
 
 
@@ -404,7 +405,7 @@ def admit(state: PlanningPass, job: Job) -> None:
         # Cheapest test first, for long queues: fewer GPUs free anywhere than the job's
         # smallest size, nothing coming back, and no way to take GPUs from others.
         groups = groups_upper_bound(state, job)
-        blocked = dps[-1] * job.pp > groups and not any(state.soon_free.values())
+        blocked = cheap = dps[-1] * job.pp > groups and not any(state.soon_free.values())
         if not blocked and not state._entitled_now(job):
             # Count only the zones this job may really use, and what is coming back there.
             blocked, groups = blocked_in(state, state._zones_for(job, dps[-1]), job.tp, job.pp, dps[-1])
@@ -413,7 +414,7 @@ def admit(state: PlanningPass, job: Job) -> None:
             key = (PRIORITY_RANK[job.priority], rank, False, aged)
             if not reclaims and (rank >= PRIORITY_RANK["best_effort"]
                                  or state.victim_failed_at.get(key, 1 << 30) <= dps[-1] * rep):
-                hold_queue_full(state, job, preferred, rep, groups * job.tp, rank)
+                hold_queue_full(state, job, preferred, rep, groups * job.tp, rank, zoned=not cheap)
                 return
     recovering = job.phase == "recovering" or (bool(job.holdings) and any(
         state.nodes.get(h.gpu.node) is None or state.nodes[h.gpu.node].health in LOST_HEALTH for h in job.holdings
@@ -632,13 +633,15 @@ def low_disk_notes(state: PlanningPass, job: Job) -> tuple[list[str], list[str]]
 CLASS_WORDS = (("critical", "critical"), ("regular", "regular"), ("best_effort", "best-effort"))
 
 
-def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, free_anywhere: int, rank: int) -> None:
-    """The cheap hold for the tail of a long queue: nothing anywhere could start it."""
+def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, free_anywhere: int, rank: int,
+                    zoned: bool = False) -> None:
+    """The cheap hold for the tail of a long queue: nothing anywhere could start it (``zoned``:
+    nothing in the zones it may use, so the sentence says which pools may not lend to it)."""
     state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
     if not state.explain:
         return
     need = preferred * rep
-    text = capacity_sentence(state, job, preferred, free_anywhere, rank)
+    text = capacity_sentence(state, job, preferred, free_anywhere, rank, refused_loan_notes(state, job) if zoned else ())
     state.actions.append(Action(
         kind="hold", job=job.name,
         reason=Reason("hold", text, {"cause": "capacity", "gpus_needed": need, "gpus_min": job.dp_min * rep,

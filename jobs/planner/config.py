@@ -23,7 +23,7 @@ class PlannerConfig:
     min_run_s: float = 7200.0
     reclaim_grace_s: float = 60.0
     heartbeat_timeout_s: float = 30.0
-    #: Added to every reclaim lead time on top of save x safety_factor.
+    #: Added to every reclaim lead time on top of step + save (rhythm.reclaim_lead_time).
     reclaim_margin_s: float = 30.0
     #: Process start-up allowance before a (re)started job loads its checkpoint.
     startup_s: float = 30.0
@@ -43,6 +43,14 @@ class PlannerConfig:
     ageing_s: float = 7200.0
     #: ``graceful`` (omni) or ``kill`` (the kill_preempt baseline).
     reclaim_mode: str = "graceful"
+    #: Whether a pool whose job may come at any moment (its job not yet arrived) lends also to
+    #: borrowers that cannot save within ``reclaim_grace_s``: if the job comes, such a borrower
+    #: is stopped without a checkpoint, so the job is never short, and loses the steps since
+    #: its last periodic save (harvest.may_borrow_unannounced).
+    lend_past_grace: bool = True
+    #: The most seconds of steps such a borrower may stand to lose: its checkpoint interval at
+    #: its smallest size (``every_steps`` x step time) must not be longer.
+    loan_loss_max_s: float = 3600.0
     #: ``None``: scenario seconds (``t=123s``); a zone name: Unix seconds shown as clock times.
     wall_clock_zone: str | None = None
     #: The free runs-dir space under which a node takes no new work. The snapshot's builder

@@ -6,7 +6,8 @@ never changes: accumulation is recomputed, see ``layout``), within its team's bo
 (rule 9), and only when the predicted saving
 over the remaining run beats ``grow_gain_factor`` x (step + save + load). GPUs borrowed from a
 pool make it a ``lend`` that ends when the pool needs them. Reasons carry the rule name
-``resize``. A signal-mode job never grows: it is not elastic.
+``resize``. A job in a periodic save is not resized; if it could grow, the pass asks to be woken
+when the save is done. A signal-mode job never grows: it is not elastic.
 """
 
 from __future__ import annotations
@@ -25,16 +26,24 @@ if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
 
 INFINITY = math.inf
+#: A running job may grow; one in a periodic save may once it is done.
+GROWING_PHASES = frozenset({"running", "checkpointing"})
 
 
 def grow_elastic_jobs(state: PlanningPass) -> None:
     """Grow running elastic jobs, higher class first, to the largest DP that pays for itself."""
-    growers = sorted(
-        (j for j in state.jobs.values()
-         if j.phase == "running" and j.name not in state.busy and j.name not in state.acted
-         and j.holdings and j.current_dp < j.dp_max and not j.signal),
-        key=lambda j: (PRIORITY_RANK[j.priority], j.name),
-    )
+    elastic = [j for j in state.jobs.values()
+               if j.phase in GROWING_PHASES and j.name not in state.busy and j.name not in state.acted
+               and j.holdings and j.current_dp < j.dp_max and not j.signal]
+    growers = sorted((j for j in elastic if j.phase == "running"), key=lambda j: (PRIORITY_RANK[j.priority], j.name))
+    for job in elastic:
+        # In a periodic save a job cannot be resized; if free GPUs would let it grow, the pass
+        # after its save looks again (nothing else might come to wake one before the next tick).
+        since = job.last_resize_s if job.last_resize_s is not None else job.run_started_s
+        if (job.phase == "checkpointing" and PRIORITY_RANK[job.priority] < state.capacity_blocked_rank
+                and (since is None or state.now - since >= state.config.resize_hysteresis_s)
+                and state._free_total(state._zones_for(job, job.dp_max)) >= job.tp * job.pp):
+            state._wake_at(state.now + predict(job, state.config).save_s)
     for job in growers:
         if PRIORITY_RANK[job.priority] >= state.capacity_blocked_rank:
             continue

@@ -4,8 +4,16 @@ Each reservation with a node pool is summarised as a ``PoolState``: how many of 
 free, when the entitlement next needs GPUs (``next_need_s``) and how many must be free then
 (``must_be_free``). Free pool GPUs beyond that need (hot spares) may be lent until a fault
 asks for them; the rest only into a window that fits start-up + load + some steps + the
-reclaim lead time (predicted save x safety factor + margin), so the borrower has saved before
-the entitlement begins. Filling such known-free windows beats preempting later.
+reclaim lead time (``rhythm.reclaim_lead_time``), so the borrower has saved before the
+entitlement begins. Filling such known-free windows beats preempting later.
+
+A pool whose job has not arrived has no known need: the job may come at any moment. It lends
+to borrowers that can save within ``reclaim_grace_s`` of being asked and, with
+``lend_past_grace``, to borrowers that checkpoint at least every ``loan_loss_max_s``: if the job
+comes, those are stopped without a checkpoint, so the job is never short, and lose at most the
+steps since their last periodic save. A recurring reservation's gaps count as such time too
+while its job has not arrived (the job may come at a window's start or in the gap), so a
+borrower is not sent away at every window for a job that is not there.
 
 The same mechanism lends the GPUs of a job in a known idle phase: they form a pool
 ``idle:<job>`` whose need begins when the phase ends. The pass's part of the rule is here too:
@@ -25,9 +33,11 @@ from jobs.planner.decisions import Reason
 from jobs.planner.entitlements import entitled_gpus, is_active, next_boundary_s, next_start_s
 from jobs.planner.rhythm import (
     expected_stop_s,
+    lead_words,
     min_loan_window_s,
     predict,
     reclaim_lead_time,
+    step_time_at,
     stop_time_s,
     widened_words,
 )
@@ -39,7 +49,7 @@ from jobs.planner.victims import (
     victim_sort_key,
     work_since_start_s,
 )
-from jobs.planner.wording import duration_words, pool_label, signal_stop_words, upper_first
+from jobs.planner.wording import duration_words, plural, pool_label, signal_stop_words, upper_first
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -79,12 +89,14 @@ def pool_state(
     healthy_gpus: int,
     free_gpus: int,
     owner_busy: bool = False,
+    gaps_unannounced: bool = False,
 ) -> PoolState:
     """Summarise a pool: what its entitlement needs now and next, and what is free.
 
     ``owner`` is None when the reserved job is not (yet) in the snapshot: an active pool then
     has no known need (the job's arrival cannot be predicted) and an inactive one needs its
-    full ``gpus`` at its next start.
+    full ``gpus`` at its next start; with ``gaps_unannounced``, a recurring reservation that has
+    begun has no known need in its gaps either while its job has not arrived.
     """
     cap = res.gpus if owner is None else min(res.gpus, owner.dp_max * owner.tp * owner.pp)
     held = len(owner.holdings) if owner is not None else 0
@@ -97,9 +109,10 @@ def pool_state(
             nxt = next_start_s(res, now_s)
             return PoolState(res, healthy_gpus, free_gpus, held, need_now, nxt, cap if nxt < INFINITY else 0)
         return PoolState(res, healthy_gpus, free_gpus, held, need_now, INFINITY, 0)
-    if owner is None and is_active(res, now_s):
+    active = is_active(res, now_s)
+    nxt = next_start_s(res, now_s) if not active else INFINITY
+    if owner is None and (active or (gaps_unannounced and res.period_s and res.start_s <= now_s and nxt < INFINITY)):
         return PoolState(res, healthy_gpus, free_gpus, held, 0, INFINITY, 0, need_predictable=False)
-    nxt = next_start_s(res, now_s) if not is_active(res, now_s) else INFINITY
     if nxt == INFINITY:
         return PoolState(res, healthy_gpus, free_gpus, held, 0, INFINITY, 0)
     still_held = 0 if res.period_s else held
@@ -116,9 +129,9 @@ def lendable_gpus(pool: PoolState, borrower: Job, dp: int, now_s: float, config:
     needed_s = min_loan_window_s(borrower, dp, config)
     if config.reclaim_mode == "kill":
         needed_s = 0.0
-    elif not pool.need_predictable and not fits_in_grace(borrower, config):
-        # The reserved job may arrive at any moment: lend only to a borrower that can finish
-        # its step and save within reclaim_grace_s of being asked.
+    elif not pool.need_predictable and not may_borrow_unannounced(borrower, config):
+        # The reserved job may arrive at any moment: lend only to a borrower that can save
+        # within reclaim_grace_s of being asked, or lose little if stopped without a save.
         return 0, window_s, needed_s
     if window_s > 0 and window_s >= needed_s:
         return pool.free_gpus, window_s, needed_s
@@ -129,6 +142,58 @@ def fits_in_grace(borrower: Job, config: PlannerConfig) -> bool:
     """Whether ``borrower`` can finish its step and save (or, in signal mode, exit) within
     ``reclaim_grace_s``."""
     return stop_time_s(borrower, config) <= config.reclaim_grace_s
+
+
+def checkpoint_interval_s(job: Job) -> float:
+    """Seconds between the job's periodic saves at its smallest size (declared step time): the
+    most work a stop without a checkpoint can lose."""
+    return job.checkpoint.every_steps * step_time_at(job, job.dp_min)
+
+
+def loss_bounded(borrower: Job, config: PlannerConfig) -> bool:
+    """Whether ``borrower`` may be stopped without a checkpoint when a need comes unannounced
+    (``lend_past_grace``): its periodic saves are seen (not a signal-mode job) and come at least
+    every ``loan_loss_max_s``."""
+    return (config.lend_past_grace and not borrower.signal and borrower.checkpoint.every_steps > 0
+            and checkpoint_interval_s(borrower) <= config.loan_loss_max_s)
+
+
+def may_borrow_unannounced(borrower: Job, config: PlannerConfig) -> bool:
+    """Whether a pool whose need may come at any moment may lend to ``borrower``: it can save
+    within the grace (``fits_in_grace``), or it may be stopped without one (``loss_bounded``)."""
+    return fits_in_grace(borrower, config) or loss_bounded(borrower, config)
+
+
+def unannounced_loan_words(state: PlanningPass, pool_name: str, job: Job) -> str:
+    """Why a pool whose job may arrive at any moment lends to ``job``: it can save within the
+    grace, or it would be stopped without a checkpoint and lose at most its last interval."""
+    grace = duration_words(state.config.reclaim_grace_s)
+    if fits_in_grace(job, state.config):
+        return f"the job of '{pool_name}' has not arrived, and this job can save within the {grace} it would have if it did"
+    return (f"the job of '{pool_name}' has not arrived; if it does, this job cannot save within the {grace} grace "
+            f"and is stopped without a checkpoint, losing at most the steps since its last periodic save "
+            f"(every {duration_words(checkpoint_interval_s(job))} at most)")
+
+
+def unsaved_refusal_words(job: Job, config: PlannerConfig) -> str:
+    """Why ``job`` may not be stopped unsaved either (``loss_bounded`` is false), or nothing if
+    ``lend_past_grace`` is off."""
+    if not config.lend_past_grace:
+        return ""
+    if job.signal:
+        return ", and its saves are not seen, so it cannot be stopped without one at a known loss"
+    return (f", nor stopped without one: it saves only every {duration_words(checkpoint_interval_s(job))} "
+            f"at its smallest size, more than the {duration_words(config.loan_loss_max_s)} a loan may put at risk")
+
+
+def stops_unsaved(borrower: Job, need_s: float, now_s: float, config: PlannerConfig) -> bool:
+    """Whether a reclaim of ``borrower`` for a need at ``need_s`` stops it without a checkpoint:
+    in ``kill`` mode always; gracefully, when the need has come, the borrower cannot save within
+    the grace and may be stopped unsaved (``loss_bounded``; one that may not saves, and the
+    pool's job waits)."""
+    if config.reclaim_mode == "kill":
+        return True
+    return need_s <= now_s + 1e-9 and not fits_in_grace(borrower, config) and loss_bounded(borrower, config)
 
 
 def reclaim_due_s(borrower: Job, pool: PoolState, config: PlannerConfig) -> float:
@@ -150,7 +215,8 @@ def review_pools(state: PlanningPass) -> None:
         owner = state.jobs.get(res.job)
         healthy, held = pool_gpus(state, res)
         free = state.view.free_count(res.name)
-        pool = pool_state(res, owner, state.now, healthy, free, owner_busy=res.job in state.busy)
+        pool = pool_state(res, owner, state.now, healthy, free, owner_busy=res.job in state.busy,
+                          gaps_unannounced=state.config.lend_past_grace)
         state.pools[res.name] = pool
         if pool.next_need_s < INFINITY:
             state._wake_at(pool.next_need_s)
@@ -231,7 +297,9 @@ def _node_gpus(name: str, count: int) -> tuple[Gpu, ...]:
 
 
 def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool: PoolState) -> None:
-    """Tell a borrower to give the pool's GPUs back (after a save, unless in kill mode)."""
+    """Tell a borrower to give the pool's GPUs back: after a save, or without one in kill mode
+    and where ``stops_unsaved`` says (the need has come and the borrower could not save within
+    the grace)."""
     job = opt.job
     lead_s = reclaim_lead_time(job, state.config)
     need_s = pool.next_need_s
@@ -245,10 +313,22 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         "safety_factor": state.config.safety_factor,
         "gpus_returned": len(opt.freed),
     }
-    if state.kill:
+    unsaved = stops_unsaved(job, need_s, state.now, state.config)
+    label = upper_first(pool_label(res.name))
+    if unsaved and state.kill:
+        text = f"{label} needs its GPUs now; the job was stopped without a checkpoint to return {len(opt.freed)} GPUs at once."
+        deadline = state.now
+    elif unsaved:
+        at_risk = max(0, job.committed_steps - job.last_checkpoint_step)
+        inputs.update(unsaved=True, stop_time_s=round(stop_time_s(job, state.config), 3),
+                      grace_s=state.config.reclaim_grace_s, steps_since_save=at_risk,
+                      checkpoint_interval_s=round(checkpoint_interval_s(job), 1))
         text = (
-            f"{upper_first(pool_label(res.name))} needs its GPUs now; the job was stopped without a "
-            f"checkpoint to return {len(opt.freed)} GPUs at once."
+            f"{label} needs its GPUs now (its job arrived unannounced or lost GPUs to a fault). This job "
+            f"could not save within the {duration_words(state.config.reclaim_grace_s)} grace "
+            f"({stop_time_s(job, state.config):.0f}s to finish its step and save), so it is stopped without a "
+            f"checkpoint and returns {len(opt.freed)} GPUs at once; it loses the {plural(at_risk, 'step')} since "
+            f"its last periodic save, as its loan said it might."
         )
         deadline = state.now
     elif job.signal:
@@ -257,27 +337,29 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         inputs.update(signal=True, work_since_start_s=round(ran_s, 1), grace_s=job.grace_s)
         when = "now" if need_s <= state.now + 1e-9 else f"at {state._when(need_s)}"
         text = (
-            f"{upper_first(pool_label(res.name))} needs its GPUs {when}; the loan ends now, so the job returns "
+            f"{label} needs its GPUs {when}; the loan ends now, so the job returns "
             f"{len(opt.freed)} GPUs within {lead_s:.0f}s (its grace + margin). It is a "
             f"{signal_stop_words(ran_s, job.grace_s)}."
         )
     else:
-        deadline = max(need_s, state.now + lead_s)
         prediction = predict(job, state.config)
+        # A save slower than predicted may run into the grace, never past it: the command's
+        # deadline (a preempt not confirmed by then is killed) allows for that.
+        slack_s = max(0.0, stop_time_s(job, state.config, prediction) + state.config.reclaim_margin_s - lead_s)
+        deadline = max(need_s, state.now + lead_s) + slack_s
         widened = widened_words(prediction, state.config)
         if widened:
             inputs.update(margin_widened=True, step_stdev_s=round(prediction.stdev_step_s, 4))
+        how = lead_words(job, state.config, prediction)
         if need_s <= state.now + 1e-9:
             text = (
-                f"{upper_first(pool_label(res.name))} needs these GPUs now (its job became entitled or lost "
-                f"GPUs to a fault); the job saves its checkpoint and returns {len(opt.freed)} GPUs "
-                f"within {lead_s:.0f}s (predicted save x safety {state.config.safety_factor} + step + margin)."
+                f"{label} needs these GPUs now (its job became entitled or lost GPUs to a fault); the job "
+                f"saves its checkpoint and returns {len(opt.freed)} GPUs within {lead_s + slack_s:.0f}s."
             )
         else:
             text = (
-                f"{upper_first(pool_label(res.name))} needs its GPUs at {state._when(need_s)}; the loan ends now, "
-                f"{lead_s:.0f}s ahead (predicted save {inputs['predicted_save_s']:.0f}s x safety "
-                f"{state.config.safety_factor} + step + margin), so the job saves before then."
+                f"{label} needs its GPUs at {state._when(need_s)}; the loan ends now, {lead_s:.0f}s ahead "
+                f"({how}), so the job saves before then."
             )
         text += widened
     state._emit(
@@ -286,7 +368,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         opt.kept,
         Reason("harvest.reclaim", text, inputs),
         deadline_s=deadline,
-        graceful=not state.kill,
+        graceful=not unsaved,
         forced=True,
     )
 
@@ -351,20 +433,20 @@ def zones_open_to(state: PlanningPass, job: Job, dp: int) -> dict[str | None, in
         # from, which it must not be.
         return zones
     return open_pools(state, zones, lambda: min_loan_window_s(job, dp, state.config),
-                      lambda: fits_in_grace(job, state.config))
+                      lambda: may_borrow_unannounced(job, state.config))
 
 
 def open_pools(
     state: PlanningPass,
     zones: dict[str | None, int | None],
     window_s: Callable[[], float],
-    fits_grace: Callable[[], bool],
+    unannounced_ok: Callable[[], bool],
 ) -> dict[str | None, int | None]:
     """``zones`` with the pools that may lend to a borrower whose shortest worthwhile loan is
-    ``window_s()`` (``min_loan_window_s``) and that can stop within the grace or not
-    (``fits_grace()``), each capped at what it may lend: ``zones_open_to``'s part for borrowed
-    GPUs. Both are asked only if a pool needs them. A smaller window, or fitting the grace, never
-    opens fewer GPUs."""
+    ``window_s()`` (``min_loan_window_s``) and that may borrow a pool whose need may come at any
+    moment or not (``unannounced_ok()``: ``may_borrow_unannounced``), each capped at what it may
+    lend: ``zones_open_to``'s part for borrowed GPUs. Both are asked only if a pool needs them. A
+    smaller window, or being allowed unannounced pools, never opens fewer GPUs."""
     if state._lendable_pools is None:
         state._lendable_pools = [(name, pool) for name, pool in sorted(state.pools.items()) if pool.free_gpus > 0]
     needed_s: float | None = None
@@ -376,7 +458,7 @@ def open_pools(
     for name, pool in state._lendable_pools:
         if name in zones or totals.get(name, 0) <= 0:
             continue
-        if not pool.need_predictable and not state.kill and not fits_grace():
+        if not pool.need_predictable and not state.kill and not unannounced_ok():
             continue
         window = pool.next_need_s - state.now
         if window > 0 and needed_s is None:
@@ -395,6 +477,8 @@ def loan_notes(state: PlanningPass, job: Job, dp: int, lent: list[str]) -> list[
         n, window_s, needed_s = lendable_gpus(pool, job, dp, state.now, state.config)
         if pool.need_now > 0 and (window_s == INFINITY or n < pool.free_gpus or window_s <= 0):
             notes.append(f"they are hot spares of '{z}', lent until a fault needs them")
+        elif not pool.need_predictable:
+            notes.append(unannounced_loan_words(state, z, job))
         elif window_s == INFINITY:
             notes.append(f"'{z}' does not need them again")
         elif n < pool.free_gpus or window_s <= 0:
@@ -420,9 +504,10 @@ def refused_loan_notes(state: PlanningPass, job: Job) -> list[str]:
             continue
         n, window_s, needed_s = lendable_gpus(pool, job, job.dp_min, state.now, state.config)
         refused = f"{free_now - min(n, free_now)} free GPUs of {pool_label(name)} cannot be lent to it"
-        if window_s == INFINITY:
+        if not pool.need_predictable:
             notes.append(f"{refused}: their job may arrive at any moment, and this one could not save within "
-                         f"the {duration_words(state.config.reclaim_grace_s)} it would then have")
+                         f"the {duration_words(state.config.reclaim_grace_s)} it would then have"
+                         + unsaved_refusal_words(job, state.config))
             continue
         notes.append(
             f"{refused}: they are needed again in {duration_words(max(window_s, 0.0))}, sooner than this job "

@@ -147,10 +147,30 @@ def expected_stop_s(job: Job, config: PlannerConfig) -> float:
 def reclaim_lead_time(job: Job, config: PlannerConfig, prediction: RhythmPrediction | None = None) -> float:
     """Seconds before need a borrower must be told to give GPUs back.
 
-    Its stop time (``stop_time_s``: finish the step and save, or a signal-mode job's grace)
-    plus the configured margin.
+    Enough that the predicted stop (the planning step plus the measured save) ends a margin
+    before the need, and that a save taking ``safety_factor`` times as long still ends within
+    ``reclaim_grace_s`` of it: ``max(step + save, step + save x safety - grace) + margin``. The
+    safety factor covers a slow save, which the grace is for; asking earlier only leaves the
+    GPUs idle before the need whenever the save takes its usual time. A signal-mode job is
+    given its whole ``grace_s`` (its saves are not seen) ahead of the need.
     """
-    return stop_time_s(job, config, prediction) + config.reclaim_margin_s
+    p = prediction or predict(job, config)
+    if job.signal:
+        return job.grace_s + config.reclaim_margin_s
+    worst = stop_time_s(job, config, p) - config.reclaim_grace_s
+    return max(p.step_s + p.save_s, worst) + config.reclaim_margin_s
+
+
+def lead_words(job: Job, config: PlannerConfig, prediction: RhythmPrediction | None = None) -> str:
+    """How ``reclaim_lead_time`` was made up, for a reclaim's sentence."""
+    if job.signal:
+        return "its grace + margin"
+    p = prediction or predict(job, config)
+    if p.step_s + p.save_s >= stop_time_s(job, config, p) - config.reclaim_grace_s:
+        return (f"step + predicted save {p.save_s:.0f}s + margin; a save {config.safety_factor:g}x as long "
+                f"still ends within the {config.reclaim_grace_s:.0f}s grace")
+    return (f"step + predicted save {p.save_s:.0f}s x safety {config.safety_factor:g} + margin, less the "
+            f"{config.reclaim_grace_s:.0f}s grace")
 
 
 def min_loan_window_s(job: Job, dp: int, config: PlannerConfig) -> float:

@@ -81,9 +81,10 @@ def apply_action(sim: Simulation, action: Action) -> None:
     preemption = action.kind in ("preempt", "reclaim") and not after
     cmd_id = f"{spec.name}-{job.cmd_seq}"
     job.cmd_seq += 1
-    for_quota = action.reason.rule == "quota.reclaim"
+    awaited = action.reason.rule == "quota.reclaim" or (
+        action.reason.rule == "harvest.reclaim" and action.reason.inputs.get("need_at_s", math.inf) <= sim.now + EPS)
     if not after:
-        op = Op("release", [], graceful, action.kind, cmd_id, action.deadline_s, preemption, for_quota)
+        op = Op("release", [], graceful, action.kind, cmd_id, action.deadline_s, preemption, awaited)
     else:
         new = [g for g in after if g not in set(job.gpus)]
         if new:
@@ -93,7 +94,7 @@ def apply_action(sim: Simulation, action: Action) -> None:
                 zone = sim.pool_of_node.get(g.node)
                 if zone is not None and zone not in sim.own_reservations(spec.name):
                     job.borrowed[g] = zone
-        op = Op("reconfigure", after, graceful, action.kind, cmd_id, action.deadline_s, False, for_quota)
+        op = Op("reconfigure", after, graceful, action.kind, cmd_id, action.deadline_s, False, awaited)
     if graceful:
         sim._request_stop(job, op)
     else:

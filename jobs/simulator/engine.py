@@ -469,10 +469,11 @@ class Simulation:
         job.op = None
         self._touch(job)
         # GPUs given back: plan at once, except in big replays where releases of non-critical
-        # work are batched with the other non-urgent changes (never those a team below its
-        # quota waits for: the live planner plans on the agent's ``done`` at once).
+        # work are batched with the other non-urgent changes (never those someone waits for now:
+        # a team below its quota, a reservation whose need has begun; the live planner plans on
+        # the agent's ``done`` at once).
         self._request_plan(self.now, urgent=not self.big or job.spec.priority == "critical"
-                           or (op is not None and op.for_quota))
+                           or (op is not None and op.awaited))
         if op is None:
             return
         if op.kind == "park":

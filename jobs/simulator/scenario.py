@@ -359,7 +359,12 @@ def parse_scenario(data: Any) -> Scenario:
     policy: dict[str, Any] = {}
     for key, value in sorted(policy_raw.items()):
         default = getattr(PlannerConfig(), key)
-        policy[key] = _int(value, f"policy.{key}", 0) if isinstance(default, int) and not isinstance(default, float) \
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ScenarioError(f"policy.{key}", f"must be true or false, got {json.dumps(value)}")
+            policy[key] = value
+            continue
+        policy[key] = _int(value, f"policy.{key}", 0) if isinstance(default, int) \
             else _num(value, f"policy.{key}", 0.0, positive=key in POSITIVE_POLICY_KEYS)
     config = PlannerConfig().with_overrides(policy)
     nodes = _cluster(data["cluster"])

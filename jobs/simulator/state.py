@@ -27,8 +27,9 @@ class Op:
     cmd_id: str
     deadline_s: float | None
     preemption: bool
-    # GPUs a team below its quota waits for (rule 9): planned for at once, never batched.
-    for_quota: bool = False
+    # GPUs someone waits for now: a team below its quota (rule 9) or a reservation whose need
+    # has begun (a reclaim at the moment of need). Planned for at once, never batched.
+    awaited: bool = False
 
 
 @dataclass(slots=True)

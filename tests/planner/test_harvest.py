@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jobs.planner import PlannerConfig, Reservation, plan
-from jobs.planner.rhythm import reclaim_lead_time
+from jobs.planner.rhythm import reclaim_lead_time, stop_time_s
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
 POOL = ("r0s1n0", "r0s1n1", "r0s1n2", "r0s1n3")
@@ -47,8 +47,14 @@ def test_reclaim_starts_one_lead_time_before_the_entitlement() -> None:
     (reclaim,) = due.by_kind("reclaim")
     assert reclaim.job == "sft" and reclaim.graceful
     assert reclaim.gpus_after == ()
-    assert reclaim.deadline_s == pytest.approx(7200.0)
+    # A save taking safety_factor x as long may end inside the grace, never past it: the
+    # command's deadline allows that much beyond the need.
+    config = PlannerConfig()
+    slack = stop_time_s(borrower, config) + config.reclaim_margin_s - lead
+    assert 0 < slack <= config.reclaim_grace_s
+    assert reclaim.deadline_s == pytest.approx(7200.0 + slack)
     assert reclaim.reason.inputs["lead_time_s"] == pytest.approx(lead, abs=1e-3)
+    assert "still ends within the 60s grace" in reclaim.reason.text
 
 
 def test_an_erratic_borrower_is_reclaimed_earlier_and_the_row_says_why() -> None:
@@ -97,11 +103,58 @@ def test_critical_job_never_borrows_another_reservations_gpus() -> None:
     assert result.by_kind("hold")[0].job == "other-crit"
 
 
-def test_before_the_reserved_job_arrives_only_quick_savers_borrow() -> None:
+def test_before_the_reserved_job_arrives_quick_savers_and_frequent_savers_borrow() -> None:
     active = Reservation("open", "vlm", gpus=32, start_s=0.0, nodes=POOL)
     quick = job("quick", "best_effort", dp=2, save_s=10.0)
-    slow = job("slow", "best_effort", dp=2, save_s=120.0)
+    slow = job("slow", "best_effort", dp=2, save_s=120.0)  # saves every 100 steps of 1 s
+    rare = job("rare", "best_effort", dp=2, save_s=120.0, step_s=40.0)  # every 4,000 s
     busy = job("busy", gpus=GENERAL, dp=4)
-    lent = plan(snapshot(cluster(), [busy, quick], (active,)), 100.0).by_kind("lend")
-    assert [a.job for a in lent] == ["quick"]
-    assert not plan(snapshot(cluster(), [busy, slow], (active,)), 100.0).by_kind("lend")
+    (lent,) = plan(snapshot(cluster(), [busy, quick], (active,)), 100.0).by_kind("lend")
+    assert lent.job == "quick" and "this job can save within the 1 min it would have" in lent.reason.text
+    # The slow saver may be stopped without a checkpoint if the job comes: it loses at most 100 s.
+    (lent,) = plan(snapshot(cluster(), [busy, slow], (active,)), 100.0).by_kind("lend")
+    assert lent.job == "slow"
+    assert "is stopped without a checkpoint, losing at most the steps since its last periodic save" in lent.reason.text
+    # Not one that saves less often than loan_loss_max_s, and not with lend_past_grace off.
+    result = plan(snapshot(cluster(), [busy, rare], (active,)), 100.0)
+    assert not result.by_kind("lend")
+    (hold,) = result.by_kind("hold")
+    assert "nor stopped without one: it saves only every 1 h 6 min" in hold.reason.text
+    off = PlannerConfig(lend_past_grace=False)
+    assert not plan(snapshot(cluster(), [busy, slow], (active,)), 100.0, off).by_kind("lend")
+
+
+def test_an_unannounced_owner_stops_a_slow_saving_borrower_without_a_checkpoint() -> None:
+    active = Reservation("open", "vlm", gpus=32, start_s=0.0, nodes=POOL)
+    busy = job("busy", gpus=GENERAL, dp=4)
+    owner = job("vlm", "critical", dp=4, submit_s=500.0)
+    for save_s, unsaved in ((10.0, False), (120.0, True)):
+        borrower = job("b", "best_effort", dp=4, gpus=gpus_on(*POOL), borrowed_from="open", save_s=save_s,
+                       committed_steps=250, last_checkpoint_step=200)
+        (reclaim,) = plan(snapshot(cluster(), [busy, borrower, owner], (active,)), 500.0).by_kind("reclaim")
+        assert reclaim.graceful is not unsaved
+        assert reclaim.reason.inputs.get("unsaved", False) is unsaved
+        if unsaved:
+            assert reclaim.deadline_s == 500.0
+            assert reclaim.reason.inputs["steps_since_save"] == 50
+            assert "stopped without a checkpoint" in reclaim.reason.text and "50 steps" in reclaim.reason.text
+    # With lend_past_grace off the slow saver saves, and the owner waits past the grace.
+    borrower = job("b", "best_effort", dp=4, gpus=gpus_on(*POOL), borrowed_from="open", save_s=120.0)
+    off = PlannerConfig(lend_past_grace=False)
+    (reclaim,) = plan(snapshot(cluster(), [busy, borrower, owner], (active,)), 500.0, off).by_kind("reclaim")
+    assert reclaim.graceful
+
+
+def test_a_recurring_pools_gaps_are_unannounced_until_its_job_arrives() -> None:
+    hourly = Reservation("hourly", "vlm", gpus=32, start_s=0.0, period_s=3600.0, active_s=2400.0, nodes=POOL)
+    busy = job("busy", gpus=GENERAL, dp=4)
+    borrower = job("b", "best_effort", dp=4, gpus=gpus_on(*POOL), borrowed_from="hourly", save_s=20.0)
+    # In a gap (t=3000) with the job not arrived, the next window is no known need: no reclaim
+    # ahead of it, whatever the lead time.
+    assert not plan(snapshot(cluster(), [busy, borrower], (hourly,)), 3600.0 - 40.0).by_kind("reclaim")
+    off = PlannerConfig(lend_past_grace=False)
+    assert plan(snapshot(cluster(), [busy, borrower], (hourly,)), 3600.0 - 40.0, off).by_kind("reclaim")
+    # Once the job has arrived, the gaps are planned: the borrower is asked ahead of the window.
+    owner = job("vlm", "critical", dp=4, submit_s=2500.0, phase="pending")
+    (reclaim,) = plan(snapshot(cluster(), [busy, borrower, owner], (hourly,)), 3600.0 - 40.0).by_kind("reclaim")
+    assert reclaim.graceful and reclaim.reason.inputs["need_at_s"] == 3600.0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jobs.planner import Gpu, Reservation, plan
+import pytest
+
+from jobs.planner import Gpu, Job, Reservation, plan
 from jobs.planner.layout import accum_steps, layout_problems, valid_dps
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
@@ -48,6 +50,19 @@ def test_an_elastic_job_grows_into_free_gpus_after_the_hysteresis() -> None:
     assert (grow.dp_before, grow.dp_after) == (2, 4)
     assert (grow.accum_before, grow.accum_after) == (32, 16)
     assert set(j.gpus) <= set(grow.gpus_after)
+
+
+def test_a_job_in_a_periodic_save_grows_on_the_pass_after_it() -> None:
+    def sft(phase: str, run_started_s: float = 0.0) -> Job:
+        return job("sft", tp=8, dp=2, dp_min=1, dp_max=4, global_batch=64, gpus=gpus_on(*EIGHT_NODES[:2]),
+                   run_started_s=run_started_s, total_steps=100_000, step_s=2.0, save_s=25.0, phase=phase)
+
+    saving = plan(snapshot(cluster(), [sft("checkpointing")]), 4000.0)
+    assert not saving.by_kind("grow")
+    assert saving.wake_at_s == pytest.approx(4025.0)  # when the save is done
+    assert plan(snapshot(cluster(), [sft("running")]), 4025.0).by_kind("grow")
+    # Within the hysteresis, nothing to wake for.
+    assert plan(snapshot(cluster(), [sft("checkpointing", run_started_s=3000.0)]), 4000.0).wake_at_s is None
 
 
 def test_no_growth_while_an_equal_priority_job_waits() -> None:

@@ -67,10 +67,18 @@ def test_next_idle_phase_follows_the_next_multiple_of_its_step_count() -> None:
     assert next_idle_phase(job("b")) is None
 
 
-def test_reclaim_lead_time_is_step_plus_save_times_safety_plus_margin() -> None:
-    j = job("a", save_s=20.0, step_times=(2.0, 2.0))
-    config = PlannerConfig(safety_factor=1.5, reclaim_margin_s=30.0)
-    assert reclaim_lead_time(j, config) == pytest.approx(2.0 * 1.5 + 20.0 * 1.5 + 30.0)
+def test_reclaim_lead_time_covers_the_predicted_stop_and_a_slow_save_within_the_grace() -> None:
+    config = PlannerConfig(safety_factor=1.5, reclaim_margin_s=30.0, reclaim_grace_s=60.0)
+    # step 2 s x 1.5 planned. A 20 s save: the predicted stop (3 + 20) decides; a 30 s save
+    # would end 7 s before the need, well within the grace.
+    quick = job("a", save_s=20.0, step_times=(2.0, 2.0))
+    assert reclaim_lead_time(quick, config) == pytest.approx(3.0 + 20.0 + 30.0)
+    # A 200 s save: at 1.5x it takes 300 s, which must end within the grace of the need.
+    slow = job("b", save_s=200.0, step_times=(2.0, 2.0))
+    assert reclaim_lead_time(slow, config) == pytest.approx(3.0 + 200.0 * 1.5 - 60.0 + 30.0)
+    # A signal-mode job is given its whole grace_s ahead of the need.
+    sig = job("c", integration="signal", grace_s=45.0)
+    assert reclaim_lead_time(sig, config) == pytest.approx(45.0 + 30.0)
 
 
 def test_a_widened_margin_is_said_in_words() -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from jobs.simulator import load_scenario, simulate
+from jobs.simulator.engine import Simulation
+from jobs.simulator.scenario import parse_scenario
 
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "jobs" / "scenarios"
 # Trace-driven scenarios (thousands of jobs) are replayed by bench/simulate.py, not here.
@@ -116,3 +118,45 @@ def test_the_invariant_checker_catches_a_bad_plan(monkeypatch: pytest.MonkeyPatc
     text = "\n".join(result["invariant_violations"])
     assert "TP group" in text
     assert "same GPU twice" in text
+
+
+def _unannounced(save_s: float) -> dict:
+    """One node reserved from t=0 for a critical job that arrives unannounced at t=603, and a
+    best-effort job on the other node and the pool's borrowed one, saving every 50 steps of 1 s."""
+    return {
+        "name": "unannounced",
+        "horizon_s": 3600,
+        "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 2, "gpus_per_node": 8},
+        "jobs": [
+            {"name": "crit", "priority": "critical", "submit_s": 603, "tp": 8, "dp": 1, "global_batch": 8,
+             "micro_batch": 1, "total_steps": 100000, "step_s": 1.0},
+            {"name": "be", "priority": "best_effort", "tp": 8, "dp": 2, "dp_min": 2, "dp_max": 2, "global_batch": 16,
+             "micro_batch": 1, "total_steps": 100000, "step_s": 1.0,
+             "checkpoint": {"every_steps": 50, "save_s": save_s, "load_s": 10}},
+        ],
+        "reservations": [{"name": "crit-res", "job": "crit", "gpus": 8, "start_s": 0}],
+    }
+
+
+@pytest.mark.parametrize("save_s", [10.0, 120.0])
+def test_an_unannounced_owner_gets_its_pool_within_the_grace_even_in_a_batched_replay(save_s: float) -> None:
+    # A borrower that can save within the grace saves and the owner starts the moment it is
+    # done (a reclaim at the moment of need is never batched into a 60 s slot); one that cannot
+    # is stopped without a checkpoint and loses at most its steps since its last periodic save.
+    sim = Simulation(parse_scenario(_unannounced(save_s)), "omni", record_events=True, coalesce_s=60.0)
+    sim.big = True
+    result = sim.run()
+    assert result["invariant_violations"] == []
+    assert result["reservation_shortfall"] == 0.0
+    crit = next(j for j in result["jobs"] if j["name"] == "crit")
+    be = next(j for j in result["jobs"] if j["name"] == "be")
+    released = next(s["end_s"] for s in be["segments"] if s["end"] in ("preempted", "killed"))
+    assert crit["start_s"] == pytest.approx(released)
+    assert crit["start_s"] - 603 <= 60.0
+    reclaim = next(e for e in result["events"] if e["kind"] == "reclaim")
+    if save_s <= 10.0:
+        assert reclaim["graceful"] and result["lost_gpu_s"] == 0.0
+    else:
+        assert not reclaim["graceful"] and reclaim["reason"]["inputs"]["unsaved"]
+        assert crit["start_s"] == pytest.approx(603.0)
+        assert 0.0 < result["lost_gpu_s"] <= 50 * 1.0 * 16
