@@ -716,8 +716,10 @@ def try_place(
     return True
 
 
-def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: int, entitled: bool) -> None:
-    """Issue the ``place``, ``lend`` (on borrowed GPUs) or ``recover`` that starts ``job`` on ``after``."""
+def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: int, entitled: bool,
+               note: str = "") -> None:
+    """Issue the ``place``, ``lend`` (on borrowed GPUs) or ``recover`` that starts ``job`` on
+    ``after``, with ``note`` ending its sentence."""
     spread = spread_of(after, state.nodes)
     own = {r.name for r in state.res_of_job.get(job.name, ())}
     lent = sorted({z for g in after if (z := state.view.zone(g)) is not None and z not in own})
@@ -755,4 +757,4 @@ def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: i
     if dp != job.dp:
         text += (f" Runs at dp {dp} instead of {job.dp} with accumulation {accum_steps(job, dp)}, "
                  f"keeping the global batch {job.global_batch}.")
-    state._emit(kind_out, job, after, Reason(rule, text, inputs), deadline_s=deadline)
+    state._emit(kind_out, job, after, Reason(rule, text + note, inputs), deadline_s=deadline)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from jobs.planner.admission import emit_start
 from jobs.planner.decisions import Reason
 from jobs.planner.layout import accum_steps, batch_divides
 from jobs.planner.quota import size_cap
-from jobs.planner.rhythm import predict, step_time_at
+from jobs.planner.rhythm import predict, reclaim_lead_time, step_time_at
 from jobs.planner.snapshot import PRIORITY_RANK
 from jobs.planner.topology import choose_gpus, spread_of
 
@@ -31,7 +32,9 @@ GROWING_PHASES = frozenset({"running", "checkpointing"})
 
 
 def grow_elastic_jobs(state: PlanningPass) -> None:
-    """Grow running elastic jobs, higher class first, to the largest DP that pays for itself."""
+    """Grow running elastic jobs, higher class first, to the largest DP that pays for itself;
+    first, start larger the jobs this pass starts below their ``dp_max`` (``start_larger``)."""
+    start_larger(state)
     elastic = [j for j in state.jobs.values()
                if j.phase in GROWING_PHASES and j.name not in state.busy and j.name not in state.acted
                and j.holdings and j.current_dp < j.dp_max and not j.signal]
@@ -89,3 +92,52 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
                                 **spread_of(after, state.nodes).as_inputs()}),
                         deadline_s=loan_end if loan_end < INFINITY else None)
             break
+
+
+def start_larger(state: PlanningPass) -> None:
+    """Jobs this pass starts below ``dp_max`` start larger when more GPUs are free and nobody of
+    their class or higher waits: at a start the extra replicas cost nothing, where growing the
+    job later costs it a restart (save, load). GPUs lent by a pool whose need is known count
+    only if the time saved before that need pays ``grow_gain_factor`` x the restart the
+    reclaim will then cost. Not with teams: a team's quota and borrowing limit decide its sizes.
+    """
+    if state.teams:
+        return
+    starts = [(i, a) for i, a in enumerate(state.actions)
+              if a.kind in ("place", "lend") and not a.gpus_before and a.gpus_after]
+    starts.sort(key=lambda ia: (PRIORITY_RANK[state.jobs[ia[1].job].priority], ia[1].job))
+    replaced: dict[int, None] = {}
+    for i, action in starts:
+        job = state.jobs[action.job]
+        d = action.dp_after
+        if job.signal or d >= job.dp_max or PRIORITY_RANK[job.priority] >= state.capacity_blocked_rank:
+            continue
+        rep = job.tp * job.pp
+        zones = state._zones_for(job, job.dp_max)
+        free = state._free_total(zones)
+        anchor = sorted({g.node for g in action.gpus_after})
+        p = predict(job, state.config)
+        for target in range(job.dp_max, d, -1):
+            if not batch_divides(job, target) or (target - d) * rep > free:
+                continue
+            new = state.view.place(zones, job.tp, job.pp, target - d, anchor)
+            if new is None:
+                continue
+            lent = {z for g in new if (z := state.view.zone(g)) is not None}
+            loan_end = min((state.pools[z].next_need_s for z in lent if z in state.pools), default=INFINITY)
+            if loan_end < INFINITY:
+                window_s = loan_end - state.now - reclaim_lead_time(job, state.config, p)
+                saved_s = max(0.0, window_s) * (1.0 - step_time_at(job, target) / step_time_at(job, d))
+                if saved_s < state.config.grow_gain_factor * (p.step_s + p.save_s + p.load_s):
+                    continue
+            replaced[i] = None
+            # Undo the smaller start in the pass's view, then issue the larger one in its place.
+            state.view.release(action.gpus_after)
+            state.holders[job.priority] -= 1
+            after = list(action.gpus_after) + list(new)
+            emit_start(state, job, "place", after, target, action.reason.rule == "entitlement",
+                       note=f" It starts at dp {target} rather than {d}: {len(new)} more GPUs are free and nobody "
+                            f"of equal or higher priority is waiting, so it need not restart to grow later.")
+            break
+    if replaced:
+        state.actions[:] = [a for k, a in enumerate(state.actions) if k not in replaced]

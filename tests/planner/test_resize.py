@@ -65,6 +65,27 @@ def test_a_job_in_a_periodic_save_grows_on_the_pass_after_it() -> None:
     assert plan(snapshot(cluster(), [sft("checkpointing", run_started_s=3000.0)]), 4000.0).wake_at_s is None
 
 
+def test_a_job_started_below_dp_max_starts_larger_when_gpus_are_free() -> None:
+    # 8 nodes of 8 GPUs, 4 held: a new job preferring 2 replicas of 8 (up to 4) starts on 4 at
+    # once (no restart to grow later), and says so.
+    busy = job("busy", tp=8, dp=4, gpus=gpus_on(*EIGHT_NODES[:4]))
+    sweep = job("sweep", "best_effort", tp=8, dp=2, dp_min=1, dp_max=4, global_batch=64)
+    (start,) = plan(snapshot(cluster(), [busy, sweep]), 0.0).by_kind("place")
+    assert (start.job, start.dp_after, start.accum_after) == ("sweep", 4, 16)
+    assert "It starts at dp 4 rather than 2: 16 more GPUs are free" in start.reason.text
+    # Not while a job of its class or higher waits for capacity after it.
+    big = job("big", tp=8, dp=8, submit_s=1.0)
+    result = plan(snapshot(cluster(), [busy, sweep, big]), 0.0)
+    (start,) = [a for a in result.actions if a.job == "sweep"]
+    assert start.dp_after == 2
+    # Into a pool's GPUs only if the time saved before the pool needs them pays for the restart
+    # its reclaim will cost: not 150 s ahead (it still borrows at its own size), but 25 h ahead.
+    for start_s, dp in ((150.0, 2), (90_000.0, 4)):
+        res = Reservation("pool", "crit", gpus=32, start_s=start_s, nodes=EIGHT_NODES[4:])
+        (start,) = plan(snapshot(cluster(), [busy, sweep], (res,)), 0.0).actions
+        assert (start.job, start.kind, start.dp_after) == ("sweep", "lend", dp)
+
+
 def test_no_growth_while_an_equal_priority_job_waits() -> None:
     j = job("sft", tp=8, dp=2, dp_min=1, dp_max=8, global_batch=64, gpus=gpus_on(*EIGHT_NODES[:2]),
             run_started_s=0.0, total_steps=100_000)
