@@ -314,6 +314,8 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         "gpus_returned": len(opt.freed),
     }
     unsaved = stops_unsaved(job, need_s, state.now, state.config)
+    if unsaved:
+        del inputs["predicted_stop_s"]  # no stop to score: nothing is saved
     label = upper_first(pool_label(res.name))
     if unsaved and state.kill:
         text = f"{label} needs its GPUs now; the job was stopped without a checkpoint to return {len(opt.freed)} GPUs at once."
@@ -327,8 +329,10 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
             f"{label} needs its GPUs now (its job arrived unannounced or lost GPUs to a fault). This job "
             f"could not save within the {duration_words(state.config.reclaim_grace_s)} grace "
             f"({stop_time_s(job, state.config):.0f}s to finish its step and save), so it is stopped without a "
-            f"checkpoint and returns {len(opt.freed)} GPUs at once; it loses the {plural(at_risk, 'step')} since "
-            f"its last periodic save, as its loan said it might."
+            f"checkpoint and returns {len(opt.freed)} GPUs at once"
+            + (f" (and the other {len(job.gpus) - len(opt.freed)} it holds: it restarts from its last save)"
+               if len(job.gpus) > len(opt.freed) else "")
+            + f"; it loses the {plural(at_risk, 'step')} since its last periodic save, as its loan said it might."
         )
         deadline = state.now
     elif job.signal:
@@ -365,7 +369,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
     state._emit(
         "reclaim",
         job,
-        opt.kept,
+        () if unsaved else opt.kept,  # a job stopped unsaved keeps nothing: it restarts from its last save
         Reason("harvest.reclaim", text, inputs),
         deadline_s=deadline,
         graceful=not unsaved,

@@ -135,9 +135,15 @@ def test_an_unannounced_owner_stops_a_slow_saving_borrower_without_a_checkpoint(
         assert reclaim.graceful is not unsaved
         assert reclaim.reason.inputs.get("unsaved", False) is unsaved
         if unsaved:
-            assert reclaim.deadline_s == 500.0
+            assert reclaim.deadline_s == 500.0 and "predicted_stop_s" not in reclaim.reason.inputs
             assert reclaim.reason.inputs["steps_since_save"] == 50
             assert "stopped without a checkpoint" in reclaim.reason.text and "50 steps" in reclaim.reason.text
+    # One that also holds general GPUs gives those back too: a job stopped unsaved restarts whole.
+    busy3 = job("busy", gpus=gpus_on("r0s0n0", "r0s0n1", "r0s0n2"), dp=3)
+    wide = job("b", "best_effort", dp=5, dp_min=1, gpus=gpus_on(*POOL, "r0s0n3"), borrowed_from="open", save_s=120.0)
+    (reclaim,) = plan(snapshot(cluster(), [busy3, wide, owner], (active,)), 500.0).by_kind("reclaim")
+    assert not reclaim.graceful and reclaim.gpus_after == ()
+    assert "(and the other 8 it holds: it restarts from its last save)" in reclaim.reason.text
     # With lend_past_grace off the slow saver saves, and the owner waits past the grace.
     borrower = job("b", "best_effort", dp=4, gpus=gpus_on(*POOL), borrowed_from="open", save_s=120.0)
     off = PlannerConfig(lend_past_grace=False)
