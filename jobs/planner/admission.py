@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jobs.planner import quota
@@ -23,7 +24,7 @@ from jobs.planner.decisions import Action, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.faults import continue_on_survivors, surviving_replicas
 from jobs.planner.harvest import loan_notes, may_borrow_unannounced, open_pools, refused_loan_notes
-from jobs.planner.kept import KeptById
+from jobs.planner.kept import KeptById, KeptByName
 from jobs.planner.layout import accum_steps, valid_dps
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import min_loan_window_s, reclaim_lead_time
@@ -115,6 +116,100 @@ def in_queue(state: PlanningPass, job: Job, lost: set[str]) -> bool:
         h.gpu.node in lost or h.gpu.node not in state.nodes for h in job.holdings)
 
 
+class _QuietQueue(KeptByName):
+    """A quiet pass's queue kept from one pass to the next (``_kept_quiet_queue``).
+
+    Its plain waiters (``_plain_waiter``, with a smallest size, fitting the nodes) by group once
+    their group is final (their standing and long wait can change no more), the others still
+    ageing, and the names of the other jobs of the queue's phases. What a job is here reads only
+    its snapshot, the config and the nodes: it changes where a job's snapshot does
+    (``KeptByName``), and the whole queue is built again for another config or nodes tuple.
+    """
+
+    def __init__(self, state: PlanningPass) -> None:
+        super().__init__()
+        self.state = state
+        self.config = state.config
+        self.nodes = state.snapshot.nodes
+        self.final: dict[Group, dict[str, Waiter]] = {}  # group -> its members by name
+        self.final_sig: dict[str, Group] = {}
+        self.ageing: dict[str, PlainWaiter] = {}  # plain waiters whose group may still change
+        self.others: set[str] = set()  # the queue's other jobs: walked one by one
+        self.unfit: set[str] = set()  # plain waiters that can never fit the nodes: left out
+
+    def add(self, job: Job) -> None:
+        if job.phase not in QUEUE_PHASES:
+            return
+        entry = _plain_waiter(job, self.config)
+        name = job.name
+        if entry is None or entry[0] is None:
+            self.others.add(name)
+        elif self.state._fit_problems(job):
+            self.unfit.add(name)
+        else:
+            self.ageing[name] = entry
+
+    def drop(self, name: str) -> None:
+        self.others.discard(name)
+        self.unfit.discard(name)
+        self.ageing.pop(name, None)
+        sig = self.final_sig.pop(name, None)
+        if sig is not None:
+            members = self.final[sig]
+            del members[name]
+            if not members:
+                del self.final[sig]
+
+
+_QUIET_QUEUE = threading.local()
+
+
+def _kept_quiet_queue(state: PlanningPass, groups: dict[Group, list[Waiter]]) -> list[Job]:
+    """Fill ``groups`` with this pass's plain waiters from the queue kept between passes, and
+    return the queue's other jobs (in name order) for the walk job by job.
+
+    It decides what ``admit_waiting``'s loop over every job decides (``test_quiet_walk.py``
+    compares the two): a plain waiter with a stop in flight, already decided in this pass, or
+    that can never fit is left out; one with a reservation is walked job by job.
+    """
+    q = getattr(_QUIET_QUEUE, "queue", None)
+    if q is None or q.config is not state.config or q.nodes is not state.snapshot.nodes:
+        q = _QUIET_QUEUE.queue = _QuietQueue(state)
+    q.state = state
+    q.update(state.jobs)
+    now, ageing_s = state.now, state.config.ageing_s
+    final, final_sig = q.final, q.final_sig
+    for name, entry in list(q.ageing.items()):
+        sig = _group_at(entry, now, ageing_s)
+        if (sig[1] == 1 or ageing_s <= 0) and (sig[3] or not entry[2]):
+            del q.ageing[name]  # its standing and long wait can change no more
+            final_sig[name] = sig
+            if (members := final.get(sig)) is None:
+                final[sig] = {name: entry[4]}
+            else:
+                members[name] = entry[4]
+    for sig, members in final.items():
+        groups[sig] = list(members.values())
+    left_out = state.busy | state.acted
+    walked = [n for n in state.res_of_job if n in final_sig or n in q.ageing]
+    for name in left_out.union(walked) if walked else left_out:
+        sig = final_sig.get(name)
+        if sig is not None:
+            groups[sig].remove(final[sig][name])
+            if not groups[sig]:
+                del groups[sig]
+    for name, entry in q.ageing.items():
+        if name in left_out or name in state.res_of_job:
+            continue
+        sig = _group_at(entry, now, ageing_s)
+        if (members := groups.get(sig)) is None:
+            groups[sig] = [entry[4]]
+        else:
+            members.append(entry[4])
+    jobs = state.jobs
+    return [jobs[n] for n in sorted(q.others.union(walked) if walked else q.others)]
+
+
 def admit_waiting(state: PlanningPass) -> None:
     """Hold jobs in an idle phase or between windows; admit the others in queue order."""
     waiting: list[tuple[tuple, int, tuple, Job]] = []  # (key, arrival, queue_key, job)
@@ -126,7 +221,12 @@ def admit_waiting(state: PlanningPass) -> None:
     ageing_s = config.ageing_s
     busy, acted, nodes = state.busy, state.acted, state.snapshot.nodes
     settled = not lost  # then only waiting and recovering jobs can be the queue's (``in_queue``)
-    for job in state.jobs.values():
+    jobs: Iterable[Job] = state.jobs.values()
+    if groups is not None and settled and state.kept_queue:
+        # The plain waiters come grouped from the queue kept between passes; only the other
+        # jobs of the queue's phases are walked one by one below.
+        jobs = _kept_quiet_queue(state, groups)
+    for job in jobs:
         if settled and job.phase not in QUEUE_PHASES:
             continue
         # A plain waiter takes the short way to its group: what ``in_queue`` and the holds below

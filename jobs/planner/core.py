@@ -306,6 +306,9 @@ class PlanningPass:
     _try_victims = victims.take_from_victims
     _stragglers = faults.migrate_stragglers
     _grow = growth.grow_elastic_jobs
+    #: Whether a quiet pass reads its plain waiters from the queue kept between passes
+    #: (``admission._kept_quiet_queue``) rather than visiting every job; the same decisions.
+    kept_queue = True
 
     # --- run ----------------------------------------------------------------------------------
 

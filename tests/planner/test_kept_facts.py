@@ -124,3 +124,83 @@ def test_a_kept_victim_entry_follows_the_zones_and_the_minimum_run() -> None:
     assert entry(200.0, ()).zones == {None}
     assert entry(300.0, (pool,)).zones == {"pool"}
     assert not entry(700.0, (pool,)).protected
+
+
+@pytest.mark.parametrize("policy", ("omni", "kill_preempt"))
+@pytest.mark.parametrize("seed", (3, 5))
+def test_the_queue_kept_between_passes_decides_as_visiting_every_job(
+        policy: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A quiet pass reads its plain waiters from the queue kept between passes
+    # (``admission._kept_quiet_queue``); replayed with every pass visiting every job instead, every
+    # figure of the result must be the same. The reserved job arrives unannounced, idle phases
+    # lend and a node fails and comes back (the kept queue is built again for the new nodes).
+    from jobs.planner import admission
+    from jobs.planner.core import PlanningPass
+    from jobs.simulator import parse_scenario, simulate
+    from tests.simulator.test_quiet_holds import queued_scenario
+
+    data = queued_scenario(seed, jobs_n=240, switches=4)
+    data["jobs"][-1]["submit_s"] = 20_000
+    for job in data["jobs"][::9]:
+        job["idle_phases"] = [{"every_steps": 100, "duration_s": 1200}]
+    calls = {"kept": 0, "grouped": 0, "ageing": 0}
+    kept_queue = admission._kept_quiet_queue
+
+    def checked(state, groups):
+        # Each pass's groups and walked jobs against a grouping of every job from scratch.
+        others = kept_queue(state, groups)
+        fresh: dict[tuple, list] = {}
+        walked = set()
+        left_out = state.busy | state.acted
+        for job in state.jobs.values():
+            if job.phase not in admission.QUEUE_PHASES:
+                continue
+            entry = admission._plain_waiter(job, state.config)
+            if entry is None or job.name in state.res_of_job:
+                walked.add(job.name)
+            elif state._fit_problems(job) or job.name in left_out:
+                continue
+            elif entry[0] is None:
+                walked.add(job.name)
+            else:
+                sig = admission._group_at(entry, state.now, state.config.ageing_s)
+                fresh.setdefault(sig, []).append(entry[4])
+                calls["ageing"] += sig[1] > 1
+        assert {g: sorted(m) for g, m in groups.items()} == {g: sorted(m) for g, m in fresh.items()}
+        assert {j.name for j in others} - left_out == walked - left_out
+        calls["kept"] += 1
+        calls["grouped"] += sum(map(len, groups.values()))
+        return others
+
+    monkeypatch.setattr(admission, "_kept_quiet_queue", checked)
+    kept = simulate(parse_scenario(data), policy)
+    monkeypatch.setattr(PlanningPass, "kept_queue", False)
+    walked = simulate(parse_scenario(data), policy)
+    for result in (kept, walked):
+        result.pop("wall_s")
+    assert calls["kept"] > 100 and calls["grouped"] > 1000 and calls["ageing"] > 100, calls
+    assert kept == walked
+
+
+def test_the_kept_queue_leaves_out_what_a_pass_decided_already_and_ages_its_waiters() -> None:
+    from jobs.planner import PlannerConfig, admission
+    from jobs.planner.core import PlanningPass
+    from tests.planner.factory import cluster, job, snapshot
+
+    config = PlannerConfig(explain_holds=False, ageing_s=3600.0)
+    waiters = [job(f"w{i}", "best_effort", submit_s=float(i)) for i in range(4)]
+    snap = snapshot(cluster(), waiters)
+
+    def grouped(now_s: float, acted: set[str]) -> dict[str, tuple]:
+        state = PlanningPass(snap, now_s, config)
+        state.acted.update(acted)
+        groups: dict = {}
+        assert admission._kept_quiet_queue(state, groups) == []
+        return {m[1]: sig for sig, members in groups.items() for m in members}
+
+    first = grouped(100.0, {"w1"})
+    assert sorted(first) == ["w0", "w2", "w3"]  # decided already in this pass: left out
+    again = grouped(100.0, set())  # the same snapshot, kept: w1 is back
+    assert sorted(again) == ["w0", "w1", "w2", "w3"] and again["w0"] == first["w0"]
+    # Best effort ages into regular standing after ageing_s, and stays there (its group final).
+    assert grouped(3700.0, set())["w0"][1] == 1 < again["w0"][1]
