@@ -480,7 +480,9 @@ def loan_notes(state: PlanningPass, job: Job, dp: int, lent: list[str]) -> list[
         pool = state.pools[z]
         n, window_s, needed_s = lendable_gpus(pool, job, dp, state.now, state.config)
         if pool.need_now > 0 and (window_s == INFINITY or n < pool.free_gpus or window_s <= 0):
-            notes.append(f"they are hot spares of '{z}', lent until a fault needs them")
+            unsaved = "" if fits_in_grace(job, state.config) or not loss_bounded(job, state.config) else (
+                " (if one does, this job cannot save within the grace and is stopped without a checkpoint)")
+            notes.append(f"they are hot spares of '{z}', lent until a fault needs them{unsaved}")
         elif not pool.need_predictable:
             notes.append(unannounced_loan_words(state, z, job))
         elif window_s == INFINITY:

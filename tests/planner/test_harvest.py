@@ -79,7 +79,12 @@ def test_hot_spares_are_lent_while_the_owner_runs() -> None:
                                 job("probe", "best_effort")], (res,))
     (lend,) = plan(snap, 100.0).by_kind("lend")
     assert lend.job == "probe" and lend.gpus_after == gpus_on("r0s0n3")
-    assert "hot spares" in lend.reason.text
+    assert "hot spares" in lend.reason.text and "stopped without a checkpoint" not in lend.reason.text
+    # A borrower that could not save within the grace is told what a fault would mean for it.
+    slow = job("probe", "best_effort", save_s=120.0)
+    snap = snapshot(cluster(), [owner, job("busy", gpus=gpus_on("r0s0n0", "r0s0n1", "r0s0n2"), dp=3), slow], (res,))
+    (lend,) = plan(snap, 100.0).by_kind("lend")
+    assert "(if one does, this job cannot save within the grace and is stopped without a checkpoint)" in lend.reason.text
 
 
 def test_kill_mode_takes_gpus_back_at_the_moment_of_need_without_a_checkpoint() -> None:
