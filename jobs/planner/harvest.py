@@ -196,6 +196,14 @@ def stops_unsaved(borrower: Job, need_s: float, now_s: float, config: PlannerCon
     return need_s <= now_s + 1e-9 and not fits_in_grace(borrower, config) and loss_bounded(borrower, config)
 
 
+def fits_elsewhere(state: PlanningPass, owner: Job, gpus: int) -> bool:
+    """Whether ``gpus`` more GPUs for ``owner`` are free now outside every pool, in whole TP
+    groups: a borrower is then not stopped without a checkpoint for it (the owner's admission
+    starts it there; its entitlement counts GPUs, not nodes)."""
+    replicas = -(-gpus // (owner.tp * owner.pp))
+    return state.view.free_groups(None, owner.tp) >= replicas * owner.pp
+
+
 def reclaim_due_s(borrower: Job, pool: PoolState, config: PlannerConfig) -> float:
     """When ``borrower`` must be told to give the pool's GPUs back.
 
@@ -258,8 +266,11 @@ def review_pools(state: PlanningPass) -> None:
             options = []
             for job in candidates:
                 options.append(victim_options_off_pool(job, state.config, pool_nodes, state.now))
+        spared = owner is not None and fits_elsewhere(state, owner, deficit)
         for opt in options:
             due = reclaim_due_s(opt.job, pool, state.config)
+            if spared and stops_unsaved(opt.job, pool.next_need_s, state.now, state.config):
+                continue  # the owner starts on free GPUs elsewhere: nobody loses work for it
             if due <= state.now + 1e-9:
                 emit_reclaim(state, opt, res, pool)
             else:

@@ -149,6 +149,13 @@ def test_an_unannounced_owner_stops_a_slow_saving_borrower_without_a_checkpoint(
     (reclaim,) = plan(snapshot(cluster(), [busy3, wide, owner], (active,)), 500.0).by_kind("reclaim")
     assert not reclaim.graceful and reclaim.gpus_after == ()
     assert "(and the other 8 it holds: it restarts from its last save)" in reclaim.reason.text
+    # With room for the owner outside every pool, nobody is stopped unsaved: it starts there.
+    small = job("vlm", "critical", dp=1, submit_s=500.0)
+    slow = job("b", "best_effort", dp=4, gpus=gpus_on(*POOL), borrowed_from="open", save_s=120.0)
+    result = plan(snapshot(cluster(), [busy3, slow, small], (active,)), 500.0)
+    assert not result.by_kind("reclaim")
+    (place,) = result.by_kind("place")
+    assert place.job == "vlm" and {g.node for g in place.gpus_after} == {"r0s0n3"}
     # With lend_past_grace off the slow saver saves, and the owner waits past the grace.
     borrower = job("b", "best_effort", dp=4, gpus=gpus_on(*POOL), borrowed_from="open", save_s=120.0)
     off = PlannerConfig(lend_past_grace=False)
