@@ -69,6 +69,8 @@ def test_the_good_scenario_is_accepted() -> None:
         (_with("events", [{"at_s": 1, "kind": "node_down", "node": "nope"}]), "events[0].node: no node named 'nope'"),
         (_with("events", [{"at_s": 1, "kind": "explode"}]), "events[0].kind: must be one of"),
         (_with("jobs.0.dp_min", 2), "jobs[0].dp_min: 2 exceeds dp 1"),
+        (_with("policy", {"lend_past_grace": 1}), "policy.lend_past_grace: must be true or false, got 1"),
+        (_with("policy", {"loan_loss_max_s": True}), "policy.loan_loss_max_s: must be a number, got true"),
     ],
 )
 def test_a_bad_field_is_named_in_one_line(data: dict, message: str) -> None:
@@ -76,6 +78,11 @@ def test_a_bad_field_is_named_in_one_line(data: dict, message: str) -> None:
         parse_scenario(data)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+def test_a_policy_switch_takes_true_or_false() -> None:
+    assert parse_scenario(_with("policy", {"lend_past_grace": False})).planner_config("graceful").lend_past_grace is False
+    assert parse_scenario(GOOD).planner_config("graceful").lend_past_grace is True
 
 
 def test_missing_required_field_is_named() -> None:
