@@ -80,6 +80,9 @@ def test_an_elastic_library_job_grows_onto_idle_gpus_keeping_its_global_batch(co
     from jobs.models import ElasticEvent, EventKind, Job
 
     _, token = make_node("n1", 4)
+    # A short job holds half the node first, so the grower starts at its preferred 2 replicas
+    # (with 4 GPUs free it would start at 4 at once: growth.start_larger) and grows when it ends.
+    submit(boss, "first", total_steps=20)
     job = submit(boss, "grower", dp=2, dp_min=1, dp_max=4, total_steps=160, checkpoint_save_s=0.5,
                  checkpoint_load_s=0.5)
     # Growth waits resize_hysteresis_s (30 minutes by default) after a start: 3 s here. And it
