@@ -135,7 +135,6 @@ class _QuietQueue(KeptByName):
         self.final_sig: dict[str, Group] = {}
         self.ageing: dict[str, PlainWaiter] = {}  # plain waiters whose group may still change
         self.others: set[str] = set()  # the queue's other jobs: walked one by one
-        self.unfit: set[str] = set()  # plain waiters that can never fit the nodes: left out
 
     def add(self, job: Job) -> None:
         if job.phase not in QUEUE_PHASES:
@@ -144,14 +143,11 @@ class _QuietQueue(KeptByName):
         name = job.name
         if entry is None or entry[0] is None:
             self.others.add(name)
-        elif self.state._fit_problems(job):
-            self.unfit.add(name)
-        else:
+        elif not self.state._fit_problems(job):  # one that can never fit is left out
             self.ageing[name] = entry
 
     def drop(self, name: str) -> None:
         self.others.discard(name)
-        self.unfit.discard(name)
         self.ageing.pop(name, None)
         sig = self.final_sig.pop(name, None)
         if sig is not None:
@@ -168,8 +164,8 @@ def _kept_quiet_queue(state: PlanningPass, groups: dict[Group, list[Waiter]]) ->
     """Fill ``groups`` with this pass's plain waiters from the queue kept between passes, and
     return the queue's other jobs (in name order) for the walk job by job.
 
-    It decides what ``admit_waiting``'s loop over every job decides (``test_quiet_walk.py``
-    compares the two): a plain waiter with a stop in flight, already decided in this pass, or
+    It decides what ``admit_waiting``'s loop over every job decides (``test_kept_facts.py``
+    compares the two, pass by pass and over whole replays): a plain waiter with a stop in flight, already decided in this pass, or
     that can never fit is left out; one with a reservation is walked job by job.
     """
     q = getattr(_QUIET_QUEUE, "queue", None)

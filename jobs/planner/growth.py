@@ -106,7 +106,7 @@ def start_larger(state: PlanningPass) -> None:
     starts = [(i, a) for i, a in enumerate(state.actions)
               if a.kind in ("place", "lend") and not a.gpus_before and a.gpus_after]
     starts.sort(key=lambda ia: (PRIORITY_RANK[state.jobs[ia[1].job].priority], ia[1].job))
-    replaced: dict[int, None] = {}
+    replaced: set[int] = set()
     for i, action in starts:
         job = state.jobs[action.job]
         d = action.dp_after
@@ -130,7 +130,7 @@ def start_larger(state: PlanningPass) -> None:
                 saved_s = max(0.0, window_s) * (1.0 - step_time_at(job, target) / step_time_at(job, d))
                 if saved_s < state.config.grow_gain_factor * (p.step_s + p.save_s + p.load_s):
                     continue
-            replaced[i] = None
+            replaced.add(i)
             # Undo the smaller start in the pass's view, then issue the larger one in its place.
             state.view.release(action.gpus_after)
             state.holders[job.priority] -= 1
