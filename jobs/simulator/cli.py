@@ -62,7 +62,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
             if cls == "all" or not fig["jobs"]:
                 continue
             parts.append(f"{cls} ({fig['completed']}/{fig['jobs']}) jct {_seconds(fig['jct_median_s'])}/"
-                         f"{_seconds(fig['jct_p95_s'])} queue {_seconds(fig['queue_median_s'])}/"
+                         f"{_seconds(fig['jct_p95_s'])} (to horizon {_seconds(fig['jct_horizon_median_s'])}/"
+                         f"{_seconds(fig['jct_horizon_p95_s'])}) queue {_seconds(fig['queue_median_s'])}/"
                          f"{_seconds(fig['queue_p95_s'])}")
         lines.append(f"  [{r['policy']}] " + "; ".join(parts))
     for r in results:

@@ -81,5 +81,7 @@ def test_class_figures_count_unstarted_jobs_waiting_to_the_horizon() -> None:
     ]
     fig = class_figures(jobs, 1000)["regular"]
     assert fig["completed"] == 2 and fig["jct_median_s"] == 200 and fig["jct_p95_s"] == 300
+    # The unfinished job counts 900 s (to the horizon) in the completion time over every job.
+    assert fig["jct_horizon_median_s"] == 300 and fig["jct_horizon_p95_s"] == 900
     assert fig["queue_median_s"] == 30 and fig["queue_p95_s"] == 900
     assert p95(list(range(1, 101))) == 95
