@@ -4,6 +4,7 @@ a restarted agent lost."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -276,15 +277,24 @@ def failure_words(job: Job, failure: dict[str, Any]) -> str:
 
 def failure_line(tail: str) -> str:
     """The line that says why a rank died: the exception of its last Python traceback when it
-    printed one (what a process aborted in teardown prints after it, such as "terminate called
-    without an active exception", is not the cause), else its last non-blank line."""
+    printed one, else its last non-blank line. What a process aborted in teardown prints, such
+    as "terminate called without an active exception", is not the cause, whether it comes after
+    the traceback or in the middle of it (the abort writes to stderr while Python is still
+    printing the frames): the exception is the first unindented line after the traceback's
+    header that reads ``Name: message`` (or a bare ``Name``), else the first unindented one."""
     lines = tail.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
     if starts:
-        for line in lines[starts[-1] + 1:]:
-            if line.strip() and not line.startswith((" ", "\t")):
-                return line.strip()
+        after = [line.strip() for line in lines[starts[-1] + 1:] if line.strip() and not line.startswith((" ", "\t"))]
+        named = next((line for line in after if EXCEPTION_LINE.match(line)), None)
+        if named or after:
+            return named or after[0]
     return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
+#: A Python exception's last traceback line: ``RuntimeError: ...``, ``torch.distributed.DistBackendError:
+#: ...``, a bare ``KeyboardInterrupt``.
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(:\s|:$|$)")
 
 
 def _fail_or_restart(job: Job, node: Node, actor: str, outcome: dict[str, Any]) -> None:

@@ -23,3 +23,20 @@ def test_the_exception_of_the_last_traceback_not_what_an_abort_printed_after_it(
 def test_without_a_traceback_the_last_line_said():
     assert failure_line("loading\nSegmentation fault (core dumped)\n\n") == "Segmentation fault (core dumped)"
     assert failure_line("") == ""
+
+
+def test_an_abort_printed_in_the_middle_of_the_traceback_is_not_the_cause():
+    # gloo's threads abort while Python is still printing the frames: the abort's line lands
+    # between the header and the exception (seen on a loaded CI machine).
+    lines = TRACEBACK.splitlines()
+    tail = "\n".join([*lines[:2], "terminate called without an active exception", *lines[2:]]) + "\n"
+    assert failure_line(tail) == "RuntimeError: deliberate failure at step 2 on rank 1"
+    dotted = tail.replace("RuntimeError:", "torch.distributed.DistBackendError:")
+    assert failure_line(dotted) == "torch.distributed.DistBackendError: deliberate failure at step 2 on rank 1"
+    bare = "Traceback (most recent call last):\n  File \"t.py\", line 1, in <module>\nKeyboardInterrupt\n"
+    assert failure_line(bare) == "KeyboardInterrupt"
+
+
+def test_a_traceback_without_an_exception_line_names_its_first_unindented_line():
+    assert failure_line("Traceback (most recent call last):\n  File \"t.py\", line 1\nkilled by the OOM killer\n") == \
+        "killed by the OOM killer"
