@@ -40,3 +40,11 @@ def test_an_abort_printed_in_the_middle_of_the_traceback_is_not_the_cause():
 def test_a_traceback_without_an_exception_line_names_its_first_unindented_line():
     assert failure_line("Traceback (most recent call last):\n  File \"t.py\", line 1\nkilled by the OOM killer\n") == \
         "killed by the OOM killer"
+
+
+def test_torchruns_rank_prefix_is_read_past():
+    # torchrun prefixes every line a rank prints; the C++ abort's own line comes unprefixed after.
+    prefixed = "".join(f"[rank1]: {line}\n" for line in TRACEBACK.splitlines())
+    tail = prefixed + "terminate called without an active exception\n"
+    assert failure_line(tail) == "RuntimeError: deliberate failure at step 2 on rank 1"
+    assert failure_line("[default0]:loading\n[default0]:Segmentation fault\n") == "Segmentation fault"
