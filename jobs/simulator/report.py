@@ -65,8 +65,8 @@ METRIC_COLUMNS = (
 CLASS_COLUMNS = (
     ("jct_median_s", "median completion time"),
     ("jct_p95_s", "p95 completion time"),
-    ("jct_horizon_median_s", "median completion time, unfinished at the horizon"),
-    ("jct_horizon_p95_s", "p95 completion time, unfinished at the horizon"),
+    ("jct_horizon_median_s", "median completion time, unfinished jobs counted to the horizon"),
+    ("jct_horizon_p95_s", "p95 completion time, unfinished jobs counted to the horizon"),
     ("queue_median_s", "median queueing delay"),
     ("queue_p95_s", "p95 queueing delay"),
 )

@@ -178,7 +178,11 @@ def test_policy_all_prints_every_policy_and_draws_them_side_by_side(tmp_path: Pa
         assert f'"name":"{policy} completion"' in page
         assert f'"name":"{policy} useful (mean ' in page
     assert "regular: median completion time" in page and "share of the bound" in page
+    assert "regular: p95 completion time, unfinished jobs counted to the horizon" in page
     assert main([str(scenario), "--policy", "all", "--json"]) == 0
     many = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in many] == list(POLICIES)
     assert all(r["classes"]["regular"]["jct_median_s"] is not None for r in many)
+    # The regular job finishes under every policy, so counting to the horizon changes nothing.
+    assert all(r["classes"]["regular"]["jct_horizon_median_s"] == r["classes"]["regular"]["jct_median_s"]
+               for r in many)
