@@ -275,29 +275,28 @@ def failure_words(job: Job, failure: dict[str, Any]) -> str:
     return f"{job.name}: {who} on {failure['node']} exited with {how}" + (f" ({last[:200]})" if last else "")
 
 
-def failure_line(tail: str) -> str:
-    """The line that says why a rank died: the exception of its last Python traceback when it
-    printed one, else its last non-blank line. What a process aborted in teardown prints, such
-    as "terminate called without an active exception", is not the cause, whether it comes after
-    the traceback or in the middle of it (the abort writes to stderr while Python is still
-    printing the frames): the exception is the first unindented line after the traceback's
-    header that reads ``Name: message`` (or a bare ``Name``), else the first unindented one.
-    torchrun's ``[rank1]:`` prefix on each line of a rank's output is read past and left out."""
-    lines = [RANK_PREFIX.sub("", line, count=1) for line in tail.splitlines()]
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if starts:
-        after = [line.strip() for line in lines[starts[-1] + 1:] if line.strip() and not line.startswith((" ", "\t"))]
-        named = next((line for line in after if EXCEPTION_LINE.match(line)), None)
-        if named or after:
-            return named or after[0]
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")
-
-
 #: A Python exception's last traceback line: ``RuntimeError: ...``, ``torch.distributed.DistBackendError:
 #: ...``, a bare ``KeyboardInterrupt``.
 EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(:\s|:$|$)")
 #: What torchrun puts before each line a rank prints (``[rank1]: ...``, ``[default0]:...``).
 RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]: ?")
+
+
+def failure_line(tail: str) -> str:
+    """The line that says why a rank died: the exception of its last Python traceback when it
+    printed one, else its last non-blank line. What a process aborted in teardown prints, such
+    as "terminate called without an active exception", is not the cause, whether it comes after
+    the traceback or among its lines (an abort can write to stderr while Python still prints the
+    frames): the exception is the first unindented line after the traceback's header that reads
+    ``Name: message`` (or a bare ``Name``), else the first unindented one. torchrun's
+    ``[rank1]:`` prefix on each line of a rank's output is read past and left out."""
+    lines = [RANK_PREFIX.sub("", line, count=1) for line in tail.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        after = [line.strip() for line in lines[starts[-1] + 1:] if line.strip() and not line.startswith((" ", "\t"))]
+        if after:
+            return next((line for line in after if EXCEPTION_LINE.match(line)), after[0])
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 def _fail_or_restart(job: Job, node: Node, actor: str, outcome: dict[str, Any]) -> None:

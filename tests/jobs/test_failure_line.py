@@ -26,8 +26,8 @@ def test_without_a_traceback_the_last_line_said():
 
 
 def test_an_abort_printed_in_the_middle_of_the_traceback_is_not_the_cause():
-    # gloo's threads abort while Python is still printing the frames: the abort's line lands
-    # between the header and the exception (seen on a loaded CI machine).
+    # Should gloo's threads abort while Python still prints the frames, the abort's line lands
+    # between the header and the exception.
     lines = TRACEBACK.splitlines()
     tail = "\n".join([*lines[:2], "terminate called without an active exception", *lines[2:]]) + "\n"
     assert failure_line(tail) == "RuntimeError: deliberate failure at step 2 on rank 1"
