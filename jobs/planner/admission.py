@@ -165,8 +165,9 @@ def _kept_quiet_queue(state: PlanningPass, groups: dict[Group, list[Waiter]]) ->
     return the queue's other jobs (in name order) for the walk job by job.
 
     It decides what ``admit_waiting``'s loop over every job decides (``test_kept_facts.py``
-    compares the two, pass by pass and over whole replays): a plain waiter with a stop in flight, already decided in this pass, or
-    that can never fit is left out; one with a reservation is walked job by job.
+    compares the two, pass by pass and over whole replays): a plain waiter with a stop in
+    flight, already decided in this pass, or that can never fit is left out; one with a
+    reservation is walked job by job.
     """
     q = getattr(_QUIET_QUEUE, "queue", None)
     if q is None or q.config is not state.config or q.nodes is not state.snapshot.nodes:

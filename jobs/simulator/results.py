@@ -211,9 +211,9 @@ def class_figures(jobs_out: Sequence[dict[str, Any]], horizon_s: float) -> dict[
 
     ``jct_horizon_*`` is completion time by the same rule: over every submitted job, one not
     finished counting its time to the horizon. Over completed jobs alone, a policy that finishes
-    fewer of a class's jobs (the long ones) reads shorter; this one does not flatter it, and it
-    is where the report's completion-time CDF (over all the class's jobs) crosses 50% and 95%
-    while it does so before the horizon."""
+    fewer of a class's jobs (the long ones) reads shorter; this one does not flatter it. Where
+    the report's completion-time CDF (drawn over all the class's jobs) reaches 50% or 95% before
+    the horizon, it reads the same there."""
     out: dict[str, dict[str, Any]] = {}
     for cls in (*PRIORITIES, "all"):
         jobs = [j for j in jobs_out if (cls == "all" or j["priority"] == cls) and j["submit_s"] < horizon_s]
