@@ -362,7 +362,11 @@ class Checker:
         out: list[tuple[str, str]] = []
         now = timezone.now()
 
-        # Commands: applied at most once per agent process, every one answered or explained.
+        # Commands: applied at most once per agent process, every one answered or explained. The
+        # commands are read before the logs: an agent writes "applying" before it sends the ack,
+        # so a command acked or done in this read has its line in the logs read after it (read
+        # the other way round, a command applied between the two reads looked lost).
+        commands = list(Command.objects.select_related("node", "job"))
         applied: set[str] = set()
         for path in self.agent_logs():
             try:
@@ -381,7 +385,7 @@ class Checker:
                 out.append(("commands_duplicated", f"{command_id} has {n} outcome rows"))
                 self.duplicated.add(str(command_id))
         open_bound_s = ACK_TIMEOUT_S * MAX_ATTEMPTS + 15
-        for c in Command.objects.select_related("node", "job"):
+        for c in commands:
             what = f"{c.kind} {c.job.name if c.job_id else ''} on {c.node.name} ({c.id})"
             if c.state in ("done", "acked") and str(c.id) not in applied:
                 out.append(("commands_lost", f"{what} is {c.state} but no agent ever applied it"))
