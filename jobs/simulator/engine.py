@@ -161,6 +161,7 @@ class Simulation:
         self.entitled_gpu_s = 0.0
         self.short_gpu_s = 0.0
         self.short_fault_gpu_s = 0.0
+        self.wait_gpu_s = 0.0  # undelivered from the entitlement's start, the grace included
         # Timeline.
         self.sample_s = max(60.0, self.horizon / 288.0)
         self.next_sample = 0.0

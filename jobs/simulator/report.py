@@ -50,6 +50,7 @@ METRIC_COLUMNS = (
     ("bound_share", "share of the bound", "pct"),
     ("reservation_shortfall", "reservation shortfall", "pct"),
     ("reservation_shortfall_faults_aside", "shortfall, faults aside", "pct"),
+    ("reservation_wait", "reservation wait (undelivered, the grace included)", "pct"),
     ("preemptions", "preemptions", "int"),
     ("graceful_preemptions", "graceful preemptions", "int"),
     ("preemptions_per_completed_job", "preemptions per completed job", "ratio"),

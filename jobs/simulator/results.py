@@ -5,7 +5,7 @@ an HTML page by ``jobs.simulator.report``).
 Result shape (FORMAT.md fields plus extras), JSON-able::
 
     {scenario, policy, horizon_s, utilization, reservation_shortfall,
-     reservation_shortfall_faults_aside, preemptions, graceful_preemptions, lost_gpu_s,
+     reservation_shortfall_faults_aside, reservation_wait, preemptions, graceful_preemptions, lost_gpu_s,
      lost_gpu_s_by_cause: {kill, fault}, useful_gpu_s, healthy_gpu_s,
      invariant_violations: [str], planner_calls, wall_s,
      goodput, allocated_gpu_s, utilization_bound, bound_useful_gpu_s, bound_share,
@@ -81,6 +81,7 @@ def advance(sim: Simulation, t: float) -> None:
             short = ent - got
             if short <= 0:
                 continue
+            sim.wait_gpu_s += short * (b - a)
             since = sim.res_entitled_since[res.name]
             start = max(a, (since if since is not None else a) + sim.config.reclaim_grace_s)
             if b > start:
@@ -157,6 +158,9 @@ def result(sim: Simulation, wall_s: float) -> dict[str, Any]:
         "reservation_shortfall": round(sim.short_gpu_s / sim.entitled_gpu_s, 6) if sim.entitled_gpu_s else 0.0,
         "reservation_shortfall_faults_aside": round(
             (sim.short_gpu_s - sim.short_fault_gpu_s) / sim.entitled_gpu_s, 6) if sim.entitled_gpu_s else 0.0,
+        # What the reserved jobs waited for their GPUs at all, inside the grace too: the price of
+        # a reclaim made at the moment of need (the owner waits for the borrower's save).
+        "reservation_wait": round(sim.wait_gpu_s / sim.entitled_gpu_s, 6) if sim.entitled_gpu_s else 0.0,
         "preemptions": sim.preemptions,
         "graceful_preemptions": sim.graceful_preemptions,
         "lost_gpu_s": round(lost, 3),

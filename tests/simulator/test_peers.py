@@ -138,9 +138,15 @@ def test_elastic_grows_into_free_gpus_and_shrinks_checkpoint_first_without_lead_
     # No lead time: the shrink is decided at t=2000, and the owner starts after the save.
     assert 2000 + 40 <= jobs["owner"]["start_s"] <= 2000 + 40 + 2
     assert result["lost_gpu_s"] == 0 and result["preemptions"] == 0
+    # The wait is inside the 60 s grace: no shortfall, but the reservation's wait shows it.
+    assert result["reservation_shortfall"] == 0.0
+    owner = jobs["owner"]
+    entitled_s = (owner["end_s"] if owner["end_s"] is not None else 10000) - 2000
+    assert result["reservation_wait"] == pytest.approx((owner["start_s"] - 2000) / entitled_s, abs=1e-6)
     # omni reclaims ahead of the need: its owner starts at once.
-    omni = _jobs(simulate(parse_scenario(data), "omni"))
-    assert omni["owner"]["start_s"] == pytest.approx(2000)
+    omni_result = simulate(parse_scenario(data), "omni")
+    assert _jobs(omni_result)["owner"]["start_s"] == pytest.approx(2000)
+    assert omni_result["reservation_wait"] == 0.0
 
 
 # --- every shipped scenario ---------------------------------------------------------------------

@@ -153,6 +153,11 @@ def test_an_unannounced_owner_gets_its_pool_within_the_grace_even_in_a_batched_r
     released = next(s["end_s"] for s in be["segments"] if s["end"] in ("preempted", "killed"))
     assert crit["start_s"] == pytest.approx(released)
     assert crit["start_s"] - 603 <= 60.0
+    # What the owner waited inside the grace is no shortfall, but it is its reservation wait:
+    # all 8 GPUs from its arrival to its start, over its entitlement from arrival to horizon
+    # (none when the borrower is stopped unsaved).
+    assert (crit["start_s"] > 603) == (save_s <= 10.0)
+    assert result["reservation_wait"] == pytest.approx((crit["start_s"] - 603) / (3600 - 603), abs=1e-6)
     reclaim = next(e for e in result["events"] if e["kind"] == "reclaim")
     if save_s <= 10.0:
         assert reclaim["graceful"] and result["lost_gpu_s"] == 0.0
