@@ -35,8 +35,10 @@ def test_borrower_checkpoints_before_the_window_then_the_owner_runs_then_the_bor
     window_at = timezone.now() + timedelta(seconds=50)
     actions.create_reservation(boss, name="crit-window", job=crit, gpus=2, start_at=window_at,
                                period_s=3600, active_s=300)
+    # Enough steps that the borrower is still running at the window however fast the tiny torch
+    # model steps (on a quiet machine, ~30 ms: 400 steps once finished before the window came).
     actions.submit_job(boss, name="be", priority="best_effort", dp=1, global_batch=16, micro_batch=2,
-                       total_steps=400, step_s=0.8, checkpoint_every_steps=3, checkpoint_save_s=1.0,
+                       total_steps=100_000, step_s=0.8, checkpoint_every_steps=3, checkpoint_save_s=1.0,
                        checkpoint_load_s=2.0)
     control_cluster.start_server()
     control_cluster.start_worker()

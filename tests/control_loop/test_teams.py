@@ -29,7 +29,9 @@ def test_a_team_below_its_quota_reclaims_what_another_borrowed_checkpoint_first(
     speech = actions.create_team(boss, name="speech", quota_gpus=2)
     spec = dict(priority="regular", dp=2, dp_min=2, dp_max=2, global_batch=16, micro_batch=2, step_s=0.8,
                 checkpoint_every_steps=5, checkpoint_save_s=1.0, checkpoint_load_s=2.0, min_run_s=0)
-    actions.submit_job(boss, name="v-train", team=vision, total_steps=2000, **spec)
+    # Enough steps that vision's job cannot finish soon however fast the tiny model steps (at
+    # ~30 ms a step, 2,000 steps were "free within 1 min" and the planner rightly waited).
+    actions.submit_job(boss, name="v-train", team=vision, total_steps=100_000, **spec)
     control_cluster.start_server()
     control_cluster.start_worker()
     control_cluster.start_agent("n1", token, gpus=2)
