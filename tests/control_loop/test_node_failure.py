@@ -21,7 +21,7 @@ def test_killed_agent_fails_its_node_and_the_job_recovers_elsewhere_from_its_che
     _, token1 = make_node("n1", 1)
     _, token2 = make_node("n2", 1)
     actions.submit_job(boss, name="be", priority="best_effort", dp=1, global_batch=16, micro_batch=2,
-                       total_steps=400, step_s=0.8, checkpoint_every_steps=2, checkpoint_save_s=1.0,
+                       total_steps=100_000, step_s=0.8, checkpoint_every_steps=2, checkpoint_save_s=1.0,
                        checkpoint_load_s=2.0)
     control_cluster.start_server()
     control_cluster.start_worker()
