@@ -5,8 +5,8 @@ an HTML page by ``jobs.simulator.report``).
 Result shape (FORMAT.md fields plus extras), JSON-able::
 
     {scenario, policy, horizon_s, utilization, reservation_shortfall,
-     reservation_shortfall_faults_aside, reservation_wait, preemptions, graceful_preemptions, lost_gpu_s,
-     lost_gpu_s_by_cause: {kill, fault}, useful_gpu_s, healthy_gpu_s,
+     reservation_shortfall_faults_aside, reservation_wait, preemptions, graceful_preemptions,
+     lost_gpu_s, lost_gpu_s_by_cause: {kill, fault}, useful_gpu_s, healthy_gpu_s,
      invariant_violations: [str], planner_calls, wall_s,
      goodput, allocated_gpu_s, utilization_bound, bound_useful_gpu_s, bound_share,
      preemptions_per_completed_job, resizes,
@@ -48,6 +48,12 @@ from jobs.simulator.state import EPS
 if TYPE_CHECKING:
     from jobs.simulator.engine import Simulation
     from jobs.simulator.scenario import Scenario
+
+
+def share(part: float, whole: float) -> float:
+    """``part / whole`` to six places, 0 when there is no whole (a replay with no reservation,
+    no healthy GPU): the form of every fraction in the result."""
+    return round(part / whole, 6) if whole else 0.0
 
 
 def entitlement(sim: Simulation, res: Reservation, t: float) -> tuple[int, int]:
@@ -154,13 +160,12 @@ def result(sim: Simulation, wall_s: float) -> dict[str, Any]:
         "scenario": sim.scenario.name,
         "policy": sim.policy,
         "horizon_s": sim.horizon,
-        "utilization": round(sim.useful_gpu_s / sim.healthy_gpu_s, 6) if sim.healthy_gpu_s else 0.0,
-        "reservation_shortfall": round(sim.short_gpu_s / sim.entitled_gpu_s, 6) if sim.entitled_gpu_s else 0.0,
-        "reservation_shortfall_faults_aside": round(
-            (sim.short_gpu_s - sim.short_fault_gpu_s) / sim.entitled_gpu_s, 6) if sim.entitled_gpu_s else 0.0,
+        "utilization": share(sim.useful_gpu_s, sim.healthy_gpu_s),
+        "reservation_shortfall": share(sim.short_gpu_s, sim.entitled_gpu_s),
+        "reservation_shortfall_faults_aside": share(sim.short_gpu_s - sim.short_fault_gpu_s, sim.entitled_gpu_s),
         # What the reserved jobs waited for their GPUs at all, inside the grace too: the price of
         # a reclaim made at the moment of need (the owner waits for the borrower's save).
-        "reservation_wait": round(sim.wait_gpu_s / sim.entitled_gpu_s, 6) if sim.entitled_gpu_s else 0.0,
+        "reservation_wait": share(sim.wait_gpu_s, sim.entitled_gpu_s),
         "preemptions": sim.preemptions,
         "graceful_preemptions": sim.graceful_preemptions,
         "lost_gpu_s": round(lost, 3),
@@ -176,11 +181,11 @@ def result(sim: Simulation, wall_s: float) -> dict[str, Any]:
     completed = sum(1 for j in jobs_out if j["end_s"] is not None)
     bound = utilization_bound(sim.scenario)
     out.update({
-        "goodput": round(sim.useful_gpu_s / sim.allocated_gpu_s, 6) if sim.allocated_gpu_s else 0.0,
+        "goodput": share(sim.useful_gpu_s, sim.allocated_gpu_s),
         "allocated_gpu_s": round(sim.allocated_gpu_s, 3),
         "utilization_bound": bound["utilization_bound"],
         "bound_useful_gpu_s": bound["bound_useful_gpu_s"],
-        "bound_share": round(out["utilization"] / bound["utilization_bound"], 6) if bound["utilization_bound"] else 0.0,
+        "bound_share": share(out["utilization"], bound["utilization_bound"]),
         "preemptions_per_completed_job": round(sim.preemptions / completed, 6) if completed else None,
         "resizes": sum(1 for j in jobs_out for seg in j["segments"] if seg["end"] == "resized"),
         "classes": class_figures(jobs_out, sim.horizon),
@@ -328,7 +333,7 @@ def utilization_bound(scenario: Scenario) -> dict[str, float]:
             vols, caps = vols[keep], caps[keep]
     out = {
         "bound_useful_gpu_s": round(served, 3),
-        "utilization_bound": round(served / healthy_s, 6) if healthy_s else 0.0,
+        "utilization_bound": share(served, healthy_s),
     }
     _BOUNDS[id(scenario)] = (scenario, out)
     return out
