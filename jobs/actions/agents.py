@@ -293,7 +293,8 @@ def failure_line(tail: str) -> str:
     lines = [RANK_PREFIX.sub("", line, count=1) for line in tail.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
     if starts:
-        after = [line.strip() for line in lines[starts[-1] + 1:] if line.strip() and not line.startswith((" ", "\t"))]
+        after = [line.strip() for line in lines[starts[-1] + 1:]
+                 if line.strip() and not line.startswith((" ", "\t"))]
         if after:
             return next((line for line in after if EXCEPTION_LINE.match(line)), after[0])
     return next((line.strip() for line in reversed(lines) if line.strip()), "")

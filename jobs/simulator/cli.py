@@ -43,7 +43,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
     lines = [f"scenario: {first['scenario']}  (horizon {first['horizon_s'] / 3600:.1f} h, "
              f"{len(first['jobs'])} jobs" + (f", fluid bound {bound * 100:.1f}%" if bound is not None else "") + ")"]
     header = (f"{'policy':<13} {'utilization':>11} {'goodput':>8} {'of bound':>8} {'shortfall':>10} "
-              f"{'res. wait':>9} {'preempt(graceful)':>18} {'per done':>8} {'lost GPU-s':>12} {'violations':>10}")
+              f"{'res. wait':>9} {'preempt(graceful)':>18} {'per done':>8} {'lost GPU-s':>12} "
+              f"{'violations':>10}")
     lines.append(header)
     lines.append("-" * len(header))
     for r in results:
@@ -52,8 +53,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['policy']:<13} {r['utilization'] * 100:>10.1f}% {r.get('goodput', 0) * 100:>7.1f}% "
             f"{r.get('bound_share', 0) * 100:>7.1f}% {r['reservation_shortfall'] * 100:>9.2f}% "
-            f"{r.get('reservation_wait', 0) * 100:>8.2f}% {pre:>18} {'-' if per is None else f'{per:.2f}':>8} {r['lost_gpu_s']:>12.0f} "
-            f"{len(r['invariant_violations']):>10}"
+            f"{r.get('reservation_wait', 0) * 100:>8.2f}% {pre:>18} {'-' if per is None else f'{per:.2f}':>8} "
+            f"{r['lost_gpu_s']:>12.0f} {len(r['invariant_violations']):>10}"
         )
     lines.append("completion time / queueing delay, median and p95 in seconds, per class (done/jobs):")
     for r in results:

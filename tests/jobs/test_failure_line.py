@@ -32,14 +32,15 @@ def test_an_abort_printed_in_the_middle_of_the_traceback_is_not_the_cause():
     tail = "\n".join([*lines[:2], "terminate called without an active exception", *lines[2:]]) + "\n"
     assert failure_line(tail) == "RuntimeError: deliberate failure at step 2 on rank 1"
     dotted = tail.replace("RuntimeError:", "torch.distributed.DistBackendError:")
-    assert failure_line(dotted) == "torch.distributed.DistBackendError: deliberate failure at step 2 on rank 1"
+    assert failure_line(dotted) == ("torch.distributed.DistBackendError: deliberate failure at step 2 "
+                                    "on rank 1")
     bare = "Traceback (most recent call last):\n  File \"t.py\", line 1, in <module>\nKeyboardInterrupt\n"
     assert failure_line(bare) == "KeyboardInterrupt"
 
 
 def test_a_traceback_without_an_exception_line_names_its_first_unindented_line():
-    assert failure_line("Traceback (most recent call last):\n  File \"t.py\", line 1\nkilled by the OOM killer\n") == \
-        "killed by the OOM killer"
+    tail = "Traceback (most recent call last):\n  File \"t.py\", line 1\nkilled by the OOM killer\n"
+    assert failure_line(tail) == "killed by the OOM killer"
 
 
 def test_torchruns_rank_prefix_is_read_past():

@@ -141,7 +141,7 @@ def test_elastic_grows_into_free_gpus_and_shrinks_checkpoint_first_without_lead_
     # The wait is inside the 60 s grace: no shortfall, but the reservation's wait shows it.
     assert result["reservation_shortfall"] == 0.0
     owner = jobs["owner"]
-    entitled_s = (owner["end_s"] if owner["end_s"] is not None else 10000) - 2000
+    entitled_s = (owner["end_s"] if owner["end_s"] is not None else data["horizon_s"]) - 2000
     assert result["reservation_wait"] == pytest.approx((owner["start_s"] - 2000) / entitled_s, abs=1e-6)
     # omni reclaims ahead of the need: its owner starts at once.
     omni_result = simulate(parse_scenario(data), "omni")
