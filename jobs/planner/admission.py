@@ -29,7 +29,7 @@ from jobs.planner.layout import accum_steps, valid_dps
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import min_loan_window_s, reclaim_lead_time
 from jobs.planner.snapshot import PRIORITY_RANK, WAITING_PHASES, Gpu, Job
-from jobs.planner.starvation import effective_rank, is_aged, queue_key, waited_s
+from jobs.planner.starvation import effective_rank, is_aged, queue_key, queue_order_s, waited_s
 from jobs.planner.topology import spread_of
 from jobs.planner.wording import (
     duration_words,
@@ -316,7 +316,7 @@ def _plain_waiter(job: Job, config: PlannerConfig) -> PlainWaiter | None:
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
     window_s = min_loan_window_s(job, sizes[0], config) if sizes else INFINITY
     return (sizes[0] * job.tp * job.pp if sizes else None, PRIORITY_RANK[job.priority],
-            job.priority == "regular", since, (since, job.name, window_s, may_borrow_unannounced(job, config), job),
+            job.priority == "regular", since, (queue_order_s(job, since, config), job.name, window_s, may_borrow_unannounced(job, config), job),
             job.tp, job.pp)
 
 

@@ -41,6 +41,11 @@ class PlannerConfig:
     idle_lend_min_s: float = 300.0
     #: Waiting this long raises a job's queue standing by one class step (rule 8).
     ageing_s: float = 7200.0
+    #: Within the regular class the queue goes by when a job began waiting plus this many
+    #: seconds per second of its remaining run at its preferred size (``starvation.queue_order_s``):
+    #: a short job goes ahead of a long one that began waiting up to this fraction of the
+    #: difference in their runs earlier. 0: first come, first served.
+    queue_length_weight: float = 0.25
     #: ``graceful`` (omni) or ``kill`` (the kill_preempt baseline).
     reclaim_mode: str = "graceful"
     #: Whether a pool whose job may come at any moment (its job not yet arrived) lends also to

@@ -56,10 +56,30 @@ def protected_from_long_waiters(job: Job, now_s: float) -> bool:
 
 
 def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple:
-    """Sort key for waiting jobs: tier (entitled, recovering...), aged class, class, wait, name.
+    """Sort key for waiting jobs: tier (entitled, recovering...), aged class, class, wait (with a
+    regular job's length, ``queue_order_s``), name.
 
     An aged job moves up among the jobs of the class it aged into but stays behind the jobs
     that belong to that class by right when both have the same standing.
     """
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
-    return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority], since, job.name)
+    return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority], queue_order_s(job, since, config),
+            job.name)
+
+
+def queue_order_s(job: Job, since: float, config: PlannerConfig) -> float:
+    """Where a waiting job stands among the jobs of its class and standing: a regular job at
+    ``since`` (when it began waiting) plus ``queue_length_weight`` x its remaining run at its
+    preferred size (remaining steps x its step time), any other at ``since``.
+
+    So among regular work a short job goes ahead of a long one that began waiting up to that
+    fraction of the difference in their runs earlier (a deadline proportional to the job's length,
+    as for an equal slowdown), and still behind one that has waited longer than that: the long
+    job's standing does not move as newcomers arrive, so nobody is passed over for ever. It does
+    not change while the job waits (its remaining steps do not), so a queue kept between passes
+    stays in order. Best-effort work keeps the order of its wait: measured on the trace weeks, the
+    same rule there cost more than it gave (docs/simulator.md, "What changed on 2026-12-05").
+    """
+    if job.priority != "regular" or config.queue_length_weight <= 0:
+        return since
+    return since + config.queue_length_weight * job.remaining_steps * job.step_s

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobs.planner import PlannerConfig, plan
-from jobs.planner.starvation import effective_rank, queue_key
+from jobs.planner.starvation import effective_rank, queue_key, queue_order_s
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
 NODES = cluster(switches=1, per_switch=2)
@@ -56,3 +56,56 @@ def test_each_stop_earns_a_job_a_longer_turn_before_a_long_waiter_of_its_class_s
     # Never stopped before: its min_run_s alone protects it.
     fresh = job("runner", dp=2, dp_min=1, global_batch=64, gpus=ALL, run_started_s=0.0, min_run_s=7200.0)
     assert plan(snapshot(NODES, [fresh, waiter]), 7800.0).by_kind("shrink")
+
+
+# --- the regular queue's order: when a job began waiting plus a share of its length ----------------
+
+ONE_NODE = cluster(switches=1, per_switch=1)
+
+
+def _first_started(jobs: list, now_s: float, config: PlannerConfig) -> list[str]:
+    result = plan(snapshot(ONE_NODE, jobs), now_s, config)
+    return [a.job for a in result.actions if a.kind == "place"]
+
+
+def test_a_short_regular_job_goes_ahead_of_a_long_one_that_began_waiting_a_little_earlier() -> None:
+    # One node, room for one of them. The long job (100,000 s of steps) came 1,000 s earlier; at
+    # the default weight 0.25 it stands at 0 + 25,000 and the short one (1,000 s) at 1,000 + 250.
+    long = job("long", submit_s=0.0, total_steps=100_000, step_s=1.0)
+    short = job("short", submit_s=1000.0, total_steps=1000, step_s=1.0)
+    for explain in (True, False):  # walked job by job, and by group as a quiet pass walks it
+        config = PlannerConfig(explain_holds=explain)
+        assert queue_order_s(long, 0.0, config) == 25_000.0
+        assert queue_order_s(short, 1000.0, config) == 1250.0
+        assert _first_started([long, short], 1100.0, config) == ["short"]
+    # First come, first served with the weight at 0.
+    assert _first_started([long, short], 1100.0, PlannerConfig(queue_length_weight=0.0)) == ["long"]
+
+
+def test_a_long_regular_job_that_has_waited_longer_than_its_share_of_the_difference_goes_first() -> None:
+    # The short job came 30,000 s after the long one: more than 0.25 x the 99,000 s between their
+    # runs, so the long job is not passed over (its standing does not move as newcomers arrive).
+    long = job("long", submit_s=0.0, total_steps=100_000, step_s=1.0)
+    short = job("short", submit_s=30_000.0, total_steps=1000, step_s=1.0)
+    assert _first_started([long, short], 30_100.0, PlannerConfig()) == ["long"]
+    # What has been done counts: a job stopped with 10% left stands by what remains.
+    nearly = job("nearly", submit_s=5000.0, queued_since_s=5000.0, total_steps=100_000, committed_steps=90_000,
+                 last_checkpoint_step=90_000, phase="preempted")
+    assert queue_order_s(nearly, 5000.0, PlannerConfig()) == 5000.0 + 0.25 * 10_000
+    assert _first_started([long, nearly], 6000.0, PlannerConfig()) == ["nearly"]
+
+
+def test_best_effort_work_keeps_the_order_of_its_wait() -> None:
+    long = job("long", "best_effort", submit_s=0.0, total_steps=100_000, step_s=1.0)
+    short = job("short", "best_effort", submit_s=1000.0, total_steps=1000, step_s=1.0)
+    assert queue_order_s(short, 1000.0, PlannerConfig()) == 1000.0
+    assert _first_started([long, short], 1100.0, PlannerConfig()) == ["long"]
+
+
+def test_the_static_baseline_stays_first_come_first_served() -> None:
+    from jobs.simulator.policies import plan_static
+
+    long = job("long", submit_s=0.0, total_steps=100_000, step_s=1.0)
+    short = job("short", submit_s=1000.0, total_steps=1000, step_s=1.0)
+    result = plan_static(snapshot(ONE_NODE, [long, short]), 1100.0, PlannerConfig())
+    assert [a.job for a in result.actions if a.kind == "place"] == ["long"]
