@@ -603,7 +603,8 @@ def cancel(ctx: Ctx, job: str) -> None:
 
 @command()
 def queue(ctx: Ctx) -> None:
-    """Waiting jobs in the planner's order: by class, then oldest first."""
+    """Waiting jobs by class, then oldest first (the planner's own order also weighs ageing, teams and
+    a regular job's length: docs/planner.md)."""
     rows = [row for state in WAITING_STATES for row in ctx.api.pages("/api/jobs/", [("state", state), ("limit", 200)])]
     # Ids follow submission order, and a summary (someone else's job) carries no times.
     rows.sort(key=lambda r: (CLASS_ORDER.index(r["priority"]) if r["priority"] in CLASS_ORDER else len(CLASS_ORDER),
