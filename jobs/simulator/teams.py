@@ -168,6 +168,8 @@ class TeamLedger:
         # Over-quota GPUs the planner may reclaim, per victim class floor (rank of the asker).
         excess = {n: max(0, self.charged[n] - t.quota_gpus) for n, t in self.specs.items()}
         eligible: dict[int, dict[str | None, list[SimJob]]] = {1: {}, 2: {}}
+        # GPUs each victim holds outside reservations' pools: all a reclaim from it can hand on.
+        off_pool: dict[str, int] = {}
         for name in sim.active_names:
             v = sim.jobs[name]
             held = len(v.gpus) + len(v.incoming)
@@ -178,6 +180,9 @@ class TeamLedger:
             if v.run_started is not None and v.spec.min_run_s > 0 and now - v.run_started < v.spec.min_run_s:
                 valid_until = min(valid_until, v.run_started + v.spec.min_run_s)
                 continue
+            off_pool[name] = sum(1 for g in v.gpus + v.incoming if g.node not in sim.pool_of_node)
+            if not off_pool[name]:
+                continue  # it holds only a reservation's GPUs: reclaimed, they go back to that pool
             rank = PRIORITY_RANK[v.spec.priority]
             for floor in (1, 2):
                 if rank >= floor:
@@ -201,8 +206,9 @@ class TeamLedger:
                 continue
             # What each victim can give back without exceeding its team's excess: the largest
             # shrink (whole replicas, batch-exact) or its preemption that stays within it.
-            give = {v.spec.name: _freeable(v, min(excess[t] for t in self.chains[v.spec.team])
-                                           if v.spec.team is not None else 1 << 30)
+            give = {v.spec.name: min(off_pool[v.spec.name],
+                                     _freeable(v, min(excess[t] for t in self.chains[v.spec.team])
+                                               if v.spec.team is not None else 1 << 30))
                     for jobs in by_team.values() for v in jobs}
             by_team = {t: [v for v in jobs if give[v.spec.name] > 0] for t, jobs in by_team.items()}
             direct = {t: sum(give[v.spec.name] for v in jobs) for t, jobs in by_team.items()}
@@ -217,7 +223,8 @@ class TeamLedger:
                           sums: dict[str, int] = sums) -> int:
                 if team not in sums:
                     cap = excess[team]
-                    reach = _chunk_sums((_give_options(v, min(excess[t] for t in self.chains[v.spec.team]))
+                    reach = _chunk_sums((sorted({min(n, off_pool[v.spec.name]) for n in
+                                                 _give_options(v, min(excess[t] for t in self.chains[v.spec.team]))})
                                          for v in by_team.get(team, ())), cap)
                     for child in self.children[team]:
                         reach = _sumset(reach, reachable(child), cap)

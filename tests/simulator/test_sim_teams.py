@@ -450,3 +450,32 @@ def test_gpus_another_teams_reservation_lends_are_not_charged_to_the_borrowers_q
     sim._unassign(a1, pool[:4])
     sim._unassign(b2, pool[4:])
     assert sim.ledger.held == sim.ledger.charged == {"a": 0, "b": 0}
+
+
+def test_gpus_a_team_holds_only_on_a_reservations_pool_are_not_counted_as_reclaimable() -> None:
+    # b waits for 8 GPUs. a holds 4 beyond its quota in two jobs that can each shrink by 4: the
+    # planner may take 4 of them, no more. d's only unprotected job runs on the pool of c's
+    # reservation (c arrives after the horizon, so the pool is lent): reclaimed, those GPUs would
+    # go back to that pool, not to b. So nothing can make room for b, and the invariant must not
+    # say that 8 GPUs were kept from it (it did: d's borrower was counted as reclaimable).
+    ck = {"every_steps": 100, "save_s": 5, "load_s": 5}
+    data = {
+        "name": "pool-borrower", "horizon_s": 3000,
+        "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 4, "gpus_per_node": 8},
+        "teams": [{"name": "a", "quota_gpus": 12}, {"name": "b", "quota_gpus": 8}, {"name": "d", "quota_gpus": 0}],
+        "jobs": [
+            _job("a-gen1", "a", tp=1, dp=8, dp_min=4, global_batch=8, total_steps=100_000, checkpoint=ck),
+            _job("a-gen2", "a", tp=1, dp=8, dp_min=4, global_batch=8, total_steps=100_000, checkpoint=ck),
+            _job("d0-prot", "d", tp=1, dp=8, global_batch=8, total_steps=100_000, min_run_s=100_000, checkpoint=ck),
+            _job("d1-pool", "d", tp=1, dp=8, global_batch=8, total_steps=200_000, checkpoint=ck),
+            _job("b-wait", "b", submit_s=600, tp=1, dp=8, global_batch=8, total_steps=100_000, checkpoint=ck),
+            _job("c", None, submit_s=10_000, priority="critical", tp=1, dp=8, global_batch=8, checkpoint=ck),
+        ],
+        "reservations": [{"name": "r", "job": "c", "gpus": 8}],
+    }
+    result = simulate(parse_scenario(data), "omni", record_events=True, full_check=True)
+    starts = {e["job"]: e for e in result["events"] if e["kind"] in ("place", "lend") and e["t"] == 0.0}
+    assert starts["d1-pool"]["borrowed_from"] == ["r"]  # the pool's borrower is d's unprotected job
+    b = next(j for j in result["jobs"] if j["name"] == "b-wait")
+    assert b["start_s"] is None  # nothing could make room for it
+    assert result["invariant_violations"] == []
