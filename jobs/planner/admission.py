@@ -316,7 +316,8 @@ def _plain_waiter(job: Job, config: PlannerConfig) -> PlainWaiter | None:
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
     window_s = min_loan_window_s(job, sizes[0], config) if sizes else INFINITY
     return (sizes[0] * job.tp * job.pp if sizes else None, PRIORITY_RANK[job.priority],
-            job.priority == "regular", since, (queue_order_s(job, since, config), job.name, window_s, may_borrow_unannounced(job, config), job),
+            job.priority == "regular", since,
+            (queue_order_s(job, since, config), job.name, window_s, may_borrow_unannounced(job, config), job),
             job.tp, job.pp)
 
 

@@ -63,8 +63,8 @@ def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple
     that belong to that class by right when both have the same standing.
     """
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
-    return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority], queue_order_s(job, since, config),
-            job.name)
+    return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority],
+            queue_order_s(job, since, config), job.name)
 
 
 def queue_order_s(job: Job, since: float, config: PlannerConfig) -> float:

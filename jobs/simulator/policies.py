@@ -188,8 +188,9 @@ def _queue_sizes() -> _QueueSizes:
 
 @functools.lru_cache(maxsize=16)
 def _without_ageing(config: PlannerConfig) -> PlannerConfig:
-    """``config`` with ageing off and the queue first come, first served, one object per config: what a pass works out of a job once per
-    config (``admission._plain_waiter``) is kept while the config is the same object."""
+    """``config`` with ageing off and the queue first come, first served, one object per config:
+    what a pass works out of a job once per config (``admission._plain_waiter``) is kept while the
+    config is the same object."""
     return config.with_overrides({"ageing_s": 0.0, "queue_length_weight": 0.0})
 
 

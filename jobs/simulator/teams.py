@@ -223,9 +223,10 @@ class TeamLedger:
                           sums: dict[str, int] = sums) -> int:
                 if team not in sums:
                     cap = excess[team]
-                    reach = _chunk_sums((sorted({min(n, off_pool[v.spec.name]) for n in
-                                                 _give_options(v, min(excess[t] for t in self.chains[v.spec.team]))})
-                                         for v in by_team.get(team, ())), cap)
+                    reach = _chunk_sums(
+                        (sorted({min(n, off_pool[v.spec.name])
+                                 for n in _give_options(v, min(excess[t] for t in self.chains[v.spec.team]))})
+                         for v in by_team.get(team, ())), cap)
                     for child in self.children[team]:
                         reach = _sumset(reach, reachable(child), cap)
                     sums[team] = reach

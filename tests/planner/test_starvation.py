@@ -89,8 +89,8 @@ def test_a_long_regular_job_that_has_waited_longer_than_its_share_of_the_differe
     short = job("short", submit_s=30_000.0, total_steps=1000, step_s=1.0)
     assert _first_started([long, short], 30_100.0, PlannerConfig()) == ["long"]
     # What has been done counts: a job stopped with 10% left stands by what remains.
-    nearly = job("nearly", submit_s=5000.0, queued_since_s=5000.0, total_steps=100_000, committed_steps=90_000,
-                 last_checkpoint_step=90_000, phase="preempted")
+    nearly = job("nearly", submit_s=5000.0, queued_since_s=5000.0, total_steps=100_000,
+                 committed_steps=90_000, last_checkpoint_step=90_000, phase="preempted")
     assert queue_order_s(nearly, 5000.0, PlannerConfig()) == 5000.0 + 0.25 * 10_000
     assert _first_started([long, nearly], 6000.0, PlannerConfig()) == ["nearly"]
 

@@ -462,11 +462,13 @@ def test_gpus_a_team_holds_only_on_a_reservations_pool_are_not_counted_as_reclai
     data = {
         "name": "pool-borrower", "horizon_s": 3000,
         "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 4, "gpus_per_node": 8},
-        "teams": [{"name": "a", "quota_gpus": 12}, {"name": "b", "quota_gpus": 8}, {"name": "d", "quota_gpus": 0}],
+        "teams": [{"name": "a", "quota_gpus": 12}, {"name": "b", "quota_gpus": 8},
+                  {"name": "d", "quota_gpus": 0}],
         "jobs": [
             _job("a-gen1", "a", tp=1, dp=8, dp_min=4, global_batch=8, total_steps=100_000, checkpoint=ck),
             _job("a-gen2", "a", tp=1, dp=8, dp_min=4, global_batch=8, total_steps=100_000, checkpoint=ck),
-            _job("d0-prot", "d", tp=1, dp=8, global_batch=8, total_steps=100_000, min_run_s=100_000, checkpoint=ck),
+            _job("d0-prot", "d", tp=1, dp=8, global_batch=8, total_steps=100_000, min_run_s=100_000,
+                 checkpoint=ck),
             _job("d1-pool", "d", tp=1, dp=8, global_batch=8, total_steps=200_000, checkpoint=ck),
             _job("b-wait", "b", submit_s=600, tp=1, dp=8, global_batch=8, total_steps=100_000, checkpoint=ck),
             _job("c", None, submit_s=10_000, priority="critical", tp=1, dp=8, global_batch=8, checkpoint=ck),
