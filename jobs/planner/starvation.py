@@ -1,11 +1,13 @@
-"""Rule 8, no starvation: ``min_run_s`` protection and ageing of long waiters.
+"""Rule 8, no starvation: ``min_run_s`` protection, ageing of long waiters, and the queue's order.
 
 Once started, a job is not preempted before its ``min_run_s`` of continuous run (regular jobs
 default to the policy's 2 hours) except to honour a reservation, a fault or a drain. Every
 ``ageing_s`` a non-critical job waits raises its queue standing by one class step (never above
 regular, never ahead of critical work), and a regular job that has waited ``ageing_s`` may
 take GPUs from regular jobs that have already had their ``min_run_s`` — so nobody is preempted
-over and over without progress, and nobody waits forever behind a stream of newcomers.
+over and over without progress, and nobody waits forever behind a stream of newcomers. Within
+a class and standing the queue goes by wait, a regular job's weighed with its length
+(``queue_order_s``), so short work is not stuck behind multi-day jobs.
 """
 
 from __future__ import annotations
