@@ -10,7 +10,8 @@ best-effort; not recovering, not between reservation windows, not owed a lent id
 asks for no more than the team's headroom under its quota at its smallest size, does not fit
 in the idle GPUs, and would fit in the idle GPUs plus the GPUs the planner may reclaim for it:
 those held by jobs of its class or lower, not protected by ``min_run_s``, of teams outside its
-own chain (or of no team), never more from a team than it holds beyond its quota. Kept for
+own chain (or of no team), outside every reservation's pool (reclaimed, a pool's GPUs go back to
+it), never more from a team than it holds beyond its quota. Kept for
 longer than those jobs' save time plus two steps in flight plus ``reclaim_grace_s`` (plus the
 simulator's planner batching in big replays) is a breach and counts as quota shortfall.
 """
@@ -224,8 +225,8 @@ class TeamLedger:
                 if team not in sums:
                     cap = excess[team]
                     reach = _chunk_sums(
-                        (sorted({min(n, off_pool[v.spec.name])
-                                 for n in _give_options(v, min(excess[t] for t in self.chains[v.spec.team]))})
+                        ([min(n, off_pool[v.spec.name])
+                          for n in _give_options(v, min(excess[t] for t in self.chains[v.spec.team]))]
                          for v in by_team.get(team, ())), cap)
                     for child in self.children[team]:
                         reach = _sumset(reach, reachable(child), cap)

@@ -63,8 +63,8 @@ def test_each_stop_earns_a_job_a_longer_turn_before_a_long_waiter_of_its_class_s
 ONE_NODE = cluster(switches=1, per_switch=1)
 
 
-def _first_started(jobs: list, now_s: float, config: PlannerConfig) -> list[str]:
-    result = plan(snapshot(ONE_NODE, jobs), now_s, config)
+def _first_started(jobs: list, now_s: float, config: PlannerConfig, planner=plan) -> list[str]:
+    result = planner(snapshot(ONE_NODE, jobs), now_s, config)
     return [a.job for a in result.actions if a.kind == "place"]
 
 
@@ -107,5 +107,4 @@ def test_the_static_baseline_stays_first_come_first_served() -> None:
 
     long = job("long", submit_s=0.0, total_steps=100_000, step_s=1.0)
     short = job("short", submit_s=1000.0, total_steps=1000, step_s=1.0)
-    result = plan_static(snapshot(ONE_NODE, [long, short]), 1100.0, PlannerConfig())
-    assert [a.job for a in result.actions if a.kind == "place"] == ["long"]
+    assert _first_started([long, short], 1100.0, PlannerConfig(), planner=plan_static) == ["long"]
