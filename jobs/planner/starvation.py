@@ -50,11 +50,18 @@ def protected_by_min_run(job: Job, now_s: float) -> bool:
 
 def protected_from_long_waiters(job: Job, now_s: float) -> bool:
     """Whether a long waiter of the job's own class may not stop it yet: it has run less than
-    ``min_run_s`` for every time it was stopped before, plus one. Each stop earns the next run a
-    longer turn, so jobs of one class that all wait long take turns ever less often (a save and
-    a restart per turn) instead of every ``min_run_s``."""
-    return job.min_run_s > 0 and job.run_started_s is not None and (
-        run_s(job, now_s) < job.min_run_s * (1 + job.preemptions))
+    ``min_run_s`` doubled for every time it was stopped before (``turn_s``). Each stop doubles
+    the next run's turn, so jobs of one class that all wait long take turns ever less often (a
+    save and a restart per turn) instead of every ``min_run_s``: a job is stopped by turns at
+    most about log2(its run / ``min_run_s``) times."""
+    return job.min_run_s > 0 and job.run_started_s is not None and run_s(job, now_s) < turn_s(job)
+
+
+def turn_s(job: Job) -> float:
+    """How long the job runs, once restarted, before a long waiter of its class may stop it:
+    ``min_run_s`` x 2 ^ (times it was stopped before). The exponent is capped where the turn
+    outlasts any run (2 ^ 40 x a second is 35,000 years)."""
+    return job.min_run_s * 2.0 ** min(job.preemptions, 40)
 
 
 def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 from jobs.planner import PlannerConfig, plan
-from jobs.planner.starvation import effective_rank, queue_key, queue_order_s
+from jobs.planner.starvation import (
+    effective_rank,
+    protected_from_long_waiters,
+    queue_key,
+    queue_order_s,
+    turn_s,
+)
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
 NODES = cluster(switches=1, per_switch=2)
@@ -42,20 +50,31 @@ def test_an_aged_waiter_cannot_take_from_a_job_inside_its_min_run() -> None:
     assert result.by_kind("hold")[0].job == "waiter"
 
 
-def test_each_stop_earns_a_job_a_longer_turn_before_a_long_waiter_of_its_class_stops_it_again() -> None:
+def test_each_stop_doubles_a_jobs_turn_before_a_long_waiter_of_its_class_stops_it_again() -> None:
     # Stopped twice before, the runner may be stopped for a long waiter of its class only after
-    # 3 x min_run_s of its new run: jobs that all wait long take turns ever less often.
+    # 2^2 x min_run_s = 28,800 s of its new run (a linear 3 x min_run_s would let it go at
+    # 21,600 s): jobs that all wait long take turns ever less often.
     waiter = job("waiter", dp=1, submit_s=0.0, queued_since_s=0.0)
     stopped = job("runner", dp=2, dp_min=1, global_batch=64, gpus=ALL, run_started_s=0.0, min_run_s=7200.0,
                   preemptions=2)
     snap = snapshot(NODES, [stopped, waiter])
-    assert not [a for a in plan(snap, 21_000.0).actions if a.kind in ("shrink", "preempt")]
-    assert plan(snap, 21_000.0).by_kind("hold")[0].job == "waiter"
-    (shrink,) = plan(snap, 21_700.0).by_kind("shrink")
+    assert turn_s(stopped) == 28_800.0
+    assert not [a for a in plan(snap, 28_000.0).actions if a.kind in ("shrink", "preempt")]
+    assert plan(snap, 28_000.0).by_kind("hold")[0].job == "waiter"
+    (shrink,) = plan(snap, 28_900.0).by_kind("shrink")
     assert shrink.job == "runner" and shrink.reason.rule == "starvation"
     # Never stopped before: its min_run_s alone protects it.
     fresh = job("runner", dp=2, dp_min=1, global_batch=64, gpus=ALL, run_started_s=0.0, min_run_s=7200.0)
+    assert turn_s(fresh) == 7200.0
     assert plan(snapshot(NODES, [fresh, waiter]), 7800.0).by_kind("shrink")
+
+
+def test_a_job_stopped_many_times_keeps_a_finite_turn() -> None:
+    # A borrower of a recurring reservation's gaps is stopped at every gap's end: its turn stays
+    # a number (no overflow), longer than any run.
+    many = job("runner", dp=2, gpus=ALL, run_started_s=0.0, min_run_s=7200.0, preemptions=10_000)
+    assert math.isfinite(turn_s(many)) and turn_s(many) > 1e15
+    assert protected_from_long_waiters(many, 1e12)
 
 
 # --- the regular queue's order: when a job began waiting plus a share of its length ----------------
