@@ -168,22 +168,32 @@ class TeamLedger:
         valid_until = float("inf")
         # Over-quota GPUs the planner may reclaim, per victim class floor (rank of the asker).
         excess = {n: max(0, self.charged[n] - t.quota_gpus) for n, t in self.specs.items()}
+        # The most a victim may give back: its team's excess, and no more than any parent's.
+        chain_excess = {n: min(excess[t] for t in chain) for n, chain in self.chains.items()}
+
+        def cap(v: SimJob) -> int:
+            return chain_excess[v.spec.team] if v.spec.team is not None else 1 << 30
+
         eligible: dict[int, dict[str | None, list[SimJob]]] = {1: {}, 2: {}}
-        # GPUs each victim holds outside reservations' pools: all a reclaim from it can hand on.
-        off_pool: dict[str, int] = {}
+        # GPUs each victim holds outside reservations' pools, per node: all a reclaim from it can
+        # hand on (a reservation's GPUs on loan go back to its pool, not to a quota).
+        off_pool: dict[str, dict[str, int]] = {}
+        off_total: dict[str, int] = {}
         for name in sim.active_names:
             v = sim.jobs[name]
             held = len(v.gpus) + len(v.incoming)
-            if not held or v.spec.priority == "critical":
-                continue
-            if v.spec.team is not None and min(excess[t] for t in self.chains[v.spec.team]) <= 0:
+            if not held or v.spec.priority == "critical" or cap(v) <= 0:
                 continue
             if v.run_started is not None and v.spec.min_run_s > 0 and now - v.run_started < v.spec.min_run_s:
                 valid_until = min(valid_until, v.run_started + v.spec.min_run_s)
                 continue
-            off_pool[name] = sum(1 for g in v.gpus + v.incoming if g.node not in sim.pool_of_node)
-            if not off_pool[name]:
+            nodes: dict[str, int] = {}
+            for g in v.gpus + v.incoming:
+                if g.node not in sim.pool_of_node:
+                    nodes[g.node] = nodes.get(g.node, 0) + 1
+            if not nodes:
                 continue  # it holds only a reservation's GPUs: reclaimed, they go back to that pool
+            off_pool[name], off_total[name] = nodes, sum(nodes.values())
             rank = PRIORITY_RANK[v.spec.priority]
             for floor in (1, 2):
                 if rank >= floor:
@@ -207,9 +217,7 @@ class TeamLedger:
                 continue
             # What each victim can give back without exceeding its team's excess: the largest
             # shrink (whole replicas, batch-exact) or its preemption that stays within it.
-            give = {v.spec.name: min(off_pool[v.spec.name],
-                                     _freeable(v, min(excess[t] for t in self.chains[v.spec.team])
-                                               if v.spec.team is not None else 1 << 30))
+            give = {v.spec.name: min(off_total[v.spec.name], _freeable(v, cap(v)))
                     for jobs in by_team.values() for v in jobs}
             by_team = {t: [v for v in jobs if give[v.spec.name] > 0] for t, jobs in by_team.items()}
             direct = {t: sum(give[v.spec.name] for v in jobs) for t, jobs in by_team.items()}
@@ -223,13 +231,11 @@ class TeamLedger:
             def reachable(team: str, by_team: dict[str | None, list[SimJob]] = by_team,
                           sums: dict[str, int] = sums) -> int:
                 if team not in sums:
-                    cap = excess[team]
-                    reach = _chunk_sums(
-                        ([min(n, off_pool[v.spec.name])
-                          for n in _give_options(v, min(excess[t] for t in self.chains[v.spec.team]))]
-                         for v in by_team.get(team, ())), cap)
+                    limit = excess[team]
+                    reach = _chunk_sums(([min(n, off_total[v.spec.name]) for n in _give_options(v, cap(v))]
+                                         for v in by_team.get(team, ())), limit)
                     for child in self.children[team]:
-                        reach = _sumset(reach, reachable(child), cap)
+                        reach = _sumset(reach, reachable(child), limit)
                     sums[team] = reach
                 return sums[team]
 
@@ -246,12 +252,7 @@ class TeamLedger:
                 avail = direct.get(None, 0) + sum(n for r, n in per_root.items() if r != self.root[team])
                 cand: dict[str, int] = {}
                 for v in victims:
-                    mine_v: dict[str, int] = {}
-                    for g in v.gpus + v.incoming:
-                        if g.node in sim.pool_of_node:
-                            continue  # a reservation's GPUs on loan: they go back to its pool, not to a quota
-                        mine_v[g.node] = mine_v.get(g.node, 0) + 1
-                    for node, n in mine_v.items():
+                    for node, n in off_pool[v.spec.name].items():
                         cand[node] = cand.get(node, 0) + min(n, give[v.spec.name])
                 fits: dict[tuple[int, int], bool] = {}  # by TP and TP groups: most of a queue shares a few shapes
                 fitting = []
