@@ -4,7 +4,8 @@ Once started, a job is not preempted before its ``min_run_s`` of continuous run 
 default to the policy's 2 hours) except to honour a reservation, a fault or a drain. Every
 ``ageing_s`` a non-critical job waits raises its queue standing by one class step (never above
 regular, never ahead of critical work), and a regular job that has waited ``ageing_s`` may
-take GPUs from regular jobs that have already had their ``min_run_s`` — so nobody is preempted
+take GPUs from regular jobs that have had their turn (``turn_s``: ``min_run_s``, doubled for each
+time they were stopped before) — so nobody is preempted
 over and over without progress, and nobody waits forever behind a stream of newcomers. Within
 a class and standing the queue goes by wait, a regular job's weighed with its length
 (``queue_order_s``), so short work is not stuck behind multi-day jobs.
