@@ -59,6 +59,8 @@ def apply_action(sim: Simulation, action: Action) -> None:
             return
         job.recovering = False
         job.dormant = False
+        if job.parked:
+            sim._idle_pool(job, lent=False)
         job.parked = []
         job.parked_until = None
         job.run_started = sim.now

@@ -128,6 +128,9 @@ class Simulation:
         # reservation is its team's; a job's is nobody's until the job is submitted, then its
         # team's, and gone once the job is done (``_own_pools``).
         self.pool_team: dict[str, str | None] = {r.name: r.team or None for r in self.reservations}
+        # Nodes a job lent for its idle phase: the snapshot shows them as the pool ``idle:<job>``
+        # of the lender's team (``views``), so they are charged as a pool too (``_idle_pool``).
+        self.idle_pool_of_node: dict[str, str] = {}
         self.uncharged: set[Gpu] = set()  # held GPUs that do not count against their job's team's quota
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
@@ -216,6 +219,8 @@ class Simulation:
         else:
             self.active_names.discard(name)
             self.view.leave(name)
+            if self.jobs[name].parked:
+                self._idle_pool(self.jobs[name], lent=False)  # the snapshot shows no pool of a job gone
 
     def entitled_job(self, res: Reservation) -> SimJob | None:
         """The job a reservation guarantees now: its own, or for a team's reservation the team's
@@ -254,8 +259,10 @@ class Simulation:
 
     def _charged(self, team: str | None, g: Gpu) -> bool:
         """Whether ``g``, held by a job of ``team``, counts against the team's quota, as the
-        planner counts it (``quota.charged_gpus`` over the pools its snapshot shows)."""
-        return charged_gpus(team, (g,), self.pool_of_node, self.pool_team) == 1
+        planner counts it (``quota.charged_gpus`` over the pools its snapshot shows, a lent idle
+        phase's included)."""
+        zone = self.pool_of_node.get(g.node) or self.idle_pool_of_node.get(g.node)
+        return charged_gpus(team, (g,), {g.node: zone}, self.pool_team) == 1
 
     def _own_pools(self, job: SimJob, active: bool) -> None:
         """``job`` was submitted (``active``) or is done: the pools of its reservations belong to
@@ -269,18 +276,40 @@ class Simulation:
                 self.pool_team[r.name] = job.spec.team
             else:
                 self.pool_team.pop(r.name, None)
-            if self.ledger is None:
+            self._recharge(set(r.nodes))
+
+    def _idle_pool(self, job: SimJob, lent: bool) -> None:
+        """``job`` lent its GPUs for an idle phase (``lent``), or has them back or is gone: their
+        nodes are the pool ``idle:<job>`` of its team while it lends them, as the planner's
+        snapshot shows them, so what another team borrows there is not held against its quota
+        (``quota.charged_gpus``: reclaimed, the GPUs go back to the lender); the GPUs held there
+        are charged again by that light."""
+        zone = f"idle:{job.spec.name}"
+        nodes = {g.node for g in job.parked}
+        if lent:
+            self.pool_team[zone] = job.spec.team
+            self.idle_pool_of_node.update(dict.fromkeys(nodes, zone))
+        else:
+            self.pool_team.pop(zone, None)
+            for n in nodes:
+                if self.idle_pool_of_node.get(n) == zone:
+                    del self.idle_pool_of_node[n]
+        self._recharge(nodes)
+
+    def _recharge(self, nodes: set[str]) -> None:
+        """The GPUs held on ``nodes`` counted against their teams' quotas anew (a pool there
+        changed hands, came or went)."""
+        if self.ledger is None:
+            return
+        for g, holder in self.owner.items():
+            team = self.jobs[holder].spec.team
+            if g.node not in nodes or team is None:
                 continue
-            nodes = set(r.nodes)
-            for g, holder in self.owner.items():
-                team = self.jobs[holder].spec.team
-                if g.node not in nodes or team is None:
-                    continue
-                charged = self._charged(team, g)
-                if charged == (g not in self.uncharged):
-                    continue
-                self.ledger.charge(team, 1 if charged else -1)
-                (self.uncharged.discard if charged else self.uncharged.add)(g)
+            charged = self._charged(team, g)
+            if charged == (g not in self.uncharged):
+                continue
+            self.ledger.charge(team, 1 if charged else -1)
+            (self.uncharged.discard if charged else self.uncharged.add)(g)
 
     def _unassign(self, job: SimJob, gpus: list[Gpu]) -> None:
         for g in gpus:
@@ -481,6 +510,7 @@ class Simulation:
             self._close_interval(job, "lent")
             job.parked = list(job.gpus)
             self.ever_parked.add(job.spec.name)
+            self._idle_pool(job, lent=True)
             job.parked_until = job.idle_until if job.idle_until is not None else self.now
             self._unassign(job, job.gpus + job.incoming)
             job.incoming = []

@@ -10,8 +10,9 @@ best-effort; not recovering, not between reservation windows, not owed a lent id
 asks for no more than the team's headroom under its quota at its smallest size, does not fit
 in the idle GPUs, and would fit in the idle GPUs plus the GPUs the planner may reclaim for it:
 those held by jobs of its class or lower, not protected by ``min_run_s``, of teams outside its
-own chain (or of no team), outside every reservation's pool (reclaimed, a pool's GPUs go back to
-it), never more from a team than it holds beyond its quota. Kept for
+own chain (or of no team), outside every reservation's pool and every lent idle phase (reclaimed,
+a pool's GPUs go back to it, a lent phase's to its job), never more from a team than it holds
+beyond its quota. Kept for
 longer than those jobs' save time plus two steps in flight plus ``reclaim_grace_s`` (plus the
 simulator's planner batching in big replays) is a breach and counts as quota shortfall.
 """
@@ -176,7 +177,8 @@ class TeamLedger:
 
         eligible: dict[int, dict[str | None, list[SimJob]]] = {1: {}, 2: {}}
         # GPUs each victim holds outside reservations' pools, per node: all a reclaim from it can
-        # hand on (a reservation's GPUs on loan go back to its pool, not to a quota).
+        # hand on (a reservation's GPUs on loan go back to its pool, not to a quota; a lent idle
+        # phase's to the job that lent them).
         off_pool: dict[str, dict[str, int]] = {}
         off_total: dict[str, int] = {}
         for name in sim.active_names:
@@ -189,7 +191,7 @@ class TeamLedger:
                 continue
             nodes: dict[str, int] = {}
             for g in v.gpus + v.incoming:
-                if g.node not in sim.pool_of_node:
+                if g.node not in sim.pool_of_node and g.node not in sim.idle_pool_of_node:
                     nodes[g.node] = nodes.get(g.node, 0) + 1
             if not nodes:
                 continue  # it holds only a reservation's GPUs: reclaimed, they go back to that pool

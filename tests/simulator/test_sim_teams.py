@@ -481,3 +481,58 @@ def test_gpus_a_team_holds_only_on_a_reservations_pool_are_not_counted_as_reclai
     b = next(j for j in result["jobs"] if j["name"] == "b-wait")
     assert b["start_s"] is None  # nothing could make room for it
     assert result["invariant_violations"] == []
+
+
+def _idle_lender_scenario() -> dict:
+    # Node 0: l-crit (team l) runs 100 steps, then idles for 1,200 s; its GPUs are lent to b's
+    # best-effort jobs (b has no quota: it only borrows). Node 1: d's job, protected by its
+    # minimum run. c (below its quota of 4) submits a best-effort job once b's borrowers run.
+    ck = {"every_steps": 50, "save_s": 5, "load_s": 5}
+    be = {"priority": "best_effort", "tp": 1, "dp": 4, "dp_min": 2, "global_batch": 8, "total_steps": 100_000,
+          "checkpoint": ck}
+    return {
+        "name": "idle-lender", "horizon_s": 2400,
+        "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 2, "gpus_per_node": 8},
+        "teams": [{"name": "l", "quota_gpus": 8}, {"name": "b", "quota_gpus": 0},
+                  {"name": "c", "quota_gpus": 4}, {"name": "d", "quota_gpus": 4}],
+        "jobs": [
+            _job("l-crit", "l", priority="critical", tp=1, dp=8, total_steps=300, checkpoint=ck,
+                 idle_phases=[{"every_steps": 100, "duration_s": 1200}]),
+            _job("d-prot", "d", tp=1, dp=8, total_steps=100_000, min_run_s=100_000, checkpoint=ck),
+            _job("b-1", "b", submit_s=50, **be), _job("b-2", "b", submit_s=50, **be),
+            _job("c-wait", "c", submit_s=400, **be),
+        ],
+    }
+
+
+def test_gpus_lent_for_an_idle_phase_are_not_charged_to_the_borrowers_quota() -> None:
+    # The planner's snapshot shows a lent idle phase as the pool idle:<job> of the lender's team
+    # (quota.charged_gpus): b's borrowers there hold nothing against b's quota, so b borrows
+    # nothing c could reclaim (reclaimed, the GPUs go back to l-crit). The invariant said c was
+    # kept from 4 GPUs for as long as the phase lasted: it counted b's borrowers as over-quota.
+    sim = Simulation(parse_scenario(_idle_lender_scenario()), "omni", record_events=True, full_check=True)
+    result = sim.run()
+    lends = [(e["t"], e["job"]) for e in result["events"] if e["kind"] == "lend" and e["borrowed_from"] == ["idle:l-crit"]]
+    assert lends[:2] == [(110.0, "b-1"), (110.0, "b-2")]  # the first phase was lent to b, before c came
+    assert result["invariant_violations"] == []
+    assert result["quota_shortfall"] == 0.0
+
+
+def test_a_lent_idle_phase_is_a_pool_while_it_lasts() -> None:
+    # Kept by the engine as the phase is lent (the borrowers' GPUs stop counting), and as it ends:
+    # the lender placed again, or gone with its GPUs still lent (no pool any more: they count).
+    sim = Simulation(parse_scenario(_idle_lender_scenario()), "omni")
+    assert sim.ledger is not None
+    lender, b1 = sim.jobs["l-crit"], sim.jobs["b-1"]
+    gpus = [Gpu(sim.node_order[0], i) for i in range(8)]
+    sim._assign(b1, gpus[:4], new_placement=True)
+    assert sim.ledger.charged["b"] == 4  # general capacity: b borrows beyond its quota
+    lender.parked = list(gpus)
+    sim._idle_pool(lender, lent=True)
+    assert (sim.ledger.held["b"], sim.ledger.charged["b"]) == (4, 0)
+    sim._assign(b1, gpus[4:6], new_placement=True)
+    assert (sim.ledger.held["b"], sim.ledger.charged["b"]) == (6, 0)
+    sim._idle_pool(lender, lent=False)
+    assert (sim.ledger.held["b"], sim.ledger.charged["b"]) == (6, 6)
+    sim._unassign(b1, gpus[:6])
+    assert sim.ledger.held["b"] == sim.ledger.charged["b"] == 0
