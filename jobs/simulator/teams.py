@@ -12,9 +12,9 @@ in the idle GPUs, and would fit in the idle GPUs plus the GPUs the planner may r
 those held by jobs of its class or lower, not protected by ``min_run_s``, of teams outside its
 own chain (or of no team), outside every reservation's pool and every lent idle phase (reclaimed,
 a pool's GPUs go back to it, a lent phase's to its job), never more from a team than it holds
-beyond its quota. Kept for
-longer than those jobs' save time plus two steps in flight plus ``reclaim_grace_s`` (plus the
-simulator's planner batching in big replays) is a breach and counts as quota shortfall.
+beyond its quota. Kept for longer than those jobs' save time plus two steps in flight plus
+``reclaim_grace_s`` (plus the simulator's planner batching in big replays) is a breach and counts
+as quota shortfall.
 """
 
 from __future__ import annotations
