@@ -22,6 +22,7 @@ from jobs.planner.snapshot import (
     Reservation,
     Rhythm,
     Snapshot,
+    Team,
     built_live_jobs_by_name,
     note_live_jobs_by_name,
 )
@@ -155,28 +156,25 @@ class PlannerView:
         )
         teams = sim.ledger.snapshot_teams() if sim.ledger is not None else ()
         if sim.full_check and sim.ledger is not None:
-            self.check_charged(sim, jobs, reservations)
+            self.check_charged(sim, jobs, reservations, teams)
         return Snapshot(self.nodes, jobs, reservations, commands, teams=teams)
 
     @staticmethod
-    def check_charged(sim: Simulation, jobs: tuple[Job, ...], reservations: tuple[Reservation, ...]) -> None:
-        """What the engine's ledger holds against each team's quota is what the planner counts
-        over this snapshot (``quota.charged_gpus``, a node's zone being the first pool by name
-        that covers it; raises otherwise)."""
+    def check_charged(sim: Simulation, jobs: tuple[Job, ...], reservations: tuple[Reservation, ...],
+                      teams: tuple[Team, ...]) -> None:
+        """What the engine's ledger holds against each team's quota is what the planner's
+        ``quota.TeamBook`` counts over this snapshot (``quota.charged_gpus``, a node's zone being
+        the first pool by name that covers it, as ``topology`` has it; raises otherwise)."""
         assert sim.ledger is not None
         zone_of_node: dict[str, str | None] = {}
         for r in sorted(reservations, key=lambda r: r.name):
             for node in r.nodes:
                 zone_of_node.setdefault(node, r.name)
         pool_team = quota.pool_teams(reservations, jobs)
-        counted = dict.fromkeys(sim.ledger.specs, 0)
-        for job in jobs:
-            if job.team is not None and job.holdings:
-                n = quota.charged_gpus(job.team, job.gpus, zone_of_node, pool_team)
-                for t in sim.ledger.chains[job.team]:
-                    counted[t] += n
-        if counted != sim.ledger.charged:
-            wrong = {t: (sim.ledger.charged[t], n) for t, n in counted.items() if n != sim.ledger.charged[t]}
+        book = quota.TeamBook(teams, jobs,
+                              lambda job, gpus: quota.charged_gpus(job.team, gpus, zone_of_node, pool_team))
+        if book.held != sim.ledger.charged:
+            wrong = {t: (n, book.held[t]) for t, n in sim.ledger.charged.items() if n != book.held[t]}
             raise RuntimeError(f"snapshot at t={sim.now}: GPUs charged to teams (ledger, planner) differ: {wrong}")
 
     @staticmethod
