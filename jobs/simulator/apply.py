@@ -46,12 +46,9 @@ def apply_action(sim: Simulation, action: Action) -> None:
         new = [g for g in after if g not in set(job.gpus)]
         sim._assign(job, new, new_placement=True)
         sim._unassign(job, [g for g in job.gpus if g not in set(after)])
-        lending = any(sim.jobs[n].parked and n in sim.active_names for n in sim.ever_parked)
-        idle_zones = {n: f"idle:{o.spec.name}" for o in sim.jobs.values() if o.parked for n in
-                      {p.node for p in o.parked}} if lending else {}
         own = sim.own_reservations(spec.name)
         for g in after:
-            zone = sim.pool_of_node.get(g.node) or idle_zones.get(g.node)
+            zone = sim.pool_zone(g.node)
             if zone is not None and zone not in own:
                 job.borrowed[g] = zone
         sim._set_layout(job, after)

@@ -135,7 +135,6 @@ class Simulation:
         self.owner: dict[Gpu, str] = {}
         self.active_names: set[str] = set()
         self.view = PlannerView()  # what the last snapshot showed
-        self.ever_parked: set[str] = set()  # jobs that have lent their GPUs for an idle phase
         self.heap: list[tuple[float, int, int, str, str, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -257,12 +256,15 @@ class Simulation:
                 self._violation(f"{job.spec.name} placed on {self.health[g.node]} node {g.node}")
             self.owner[g] = job.spec.name
 
+    def pool_zone(self, node: str) -> str | None:
+        """The pool ``node`` is in as the planner's snapshot shows it: a reservation's, or a lent
+        idle phase's (``idle:<job>``); None for general capacity."""
+        return self.pool_of_node.get(node) or self.idle_pool_of_node.get(node)
+
     def _charged(self, team: str | None, g: Gpu) -> bool:
         """Whether ``g``, held by a job of ``team``, counts against the team's quota, as the
-        planner counts it (``quota.charged_gpus`` over the pools its snapshot shows, a lent idle
-        phase's included)."""
-        zone = self.pool_of_node.get(g.node) or self.idle_pool_of_node.get(g.node)
-        return charged_gpus(team, (g,), {g.node: zone}, self.pool_team) == 1
+        planner counts it (``quota.charged_gpus`` over the pools its snapshot shows)."""
+        return charged_gpus(team, (g,), {g.node: self.pool_zone(g.node)}, self.pool_team) == 1
 
     def _own_pools(self, job: SimJob, active: bool) -> None:
         """``job`` was submitted (``active``) or is done: the pools of its reservations belong to
@@ -509,7 +511,6 @@ class Simulation:
         if op.kind == "park":
             self._close_interval(job, "lent")
             job.parked = list(job.gpus)
-            self.ever_parked.add(job.spec.name)
             self._idle_pool(job, lent=True)
             job.parked_until = job.idle_until if job.idle_until is not None else self.now
             self._unassign(job, job.gpus + job.incoming)

@@ -191,7 +191,7 @@ class TeamLedger:
                 continue
             nodes: dict[str, int] = {}
             for g in v.gpus + v.incoming:
-                if g.node not in sim.pool_of_node and g.node not in sim.idle_pool_of_node:
+                if sim.pool_zone(g.node) is None:
                     nodes[g.node] = nodes.get(g.node, 0) + 1
             if not nodes:
                 continue  # it holds only a reservation's GPUs: reclaimed, they go back to that pool
