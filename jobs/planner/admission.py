@@ -385,12 +385,12 @@ def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: 
         return shut
 
     def passed(sig: Group) -> None:
-        state.capacity_blocked_rank = sig[2]
+        state._held_for_capacity(sig[2], sig[0])
 
     # A member's queue key is ``starvation.queue_key``'s, put together from its group and its
     # (waiting since, name).
     walk_by_groups(others, groups, lambda sig, m: (TIER_OTHER, sig[1], sig[2], m[0], m[1]), shut_now,
-                   state._admit, passed, heeds=lambda sig: sig[2] < state.capacity_blocked_rank)
+                   state._admit, passed, heeds=lambda sig: sig[0] < state.held_min_gpus.get(sig[2], 1 << 30))
 
 
 def _pop_current(state: PlanningPass, heap: list[tuple[tuple, int, tuple, Job]]) -> Iterator[tuple[tuple, Job]]:
@@ -430,7 +430,7 @@ def _waits_quietly(state: PlanningPass, key: tuple, job: Job, free: float) -> bo
         aged = job.priority == "regular" and quota.ages(state, job) and is_aged(job, state.now, state.config)
         if state.victim_failed_at.get((PRIORITY_RANK[job.priority], rank, False, aged), 1 << 30) > need:
             return False
-    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    state._held_for_capacity(PRIORITY_RANK[job.priority], need)
     return True
 
 
@@ -735,7 +735,7 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
                     zoned: bool = False) -> None:
     """The cheap hold for the tail of a long queue: nothing anywhere could start it (``zoned``:
     nothing in the zones it may use, so the sentence says which pools may not lend to it)."""
-    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    state._held_for_capacity(PRIORITY_RANK[job.priority], job.dp_min * rep)
     if not state.explain:
         return
     need = preferred * rep
@@ -750,7 +750,7 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
 
 def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
     """Hold a job that cannot start now, with the reasons in plain words."""
-    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    state._held_for_capacity(PRIORITY_RANK[job.priority], job.dp_min * rep)
     if not state.explain:
         return
     need = preferred * rep

@@ -29,6 +29,12 @@ class PlannerConfig:
     startup_s: float = 30.0
     #: A loan is only made into a window fitting start-up + load + this many steps + save.
     min_loan_steps: int = 20
+    #: A pool's window that ends in a reclaim is lent to a job that would not finish in it only
+    #: if the job takes at least this share of the pool's healthy GPUs: each such borrower is
+    #: stopped at the window's end, so a window is cut into at most 1/share stopped loans
+    #: (``harvest.takes_window``). The GPUs it keeps from smaller borrowers go to running jobs
+    #: that grow into the window (``growth``). 0: any borrower.
+    loan_share_min: float = 0.125
     #: A job is not resized again within this many seconds unless forced.
     resize_hysteresis_s: float = 1800.0
     #: Growing must save at least this multiple of its save+load cost over the remaining run.

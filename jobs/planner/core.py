@@ -125,6 +125,9 @@ class PlanningPass:
                 self.soon_free_by.setdefault(zone, []).append(job.name)
         # The best class held for capacity so far: nobody of that class or lower grows.
         self.capacity_blocked_rank = 99
+        # The fewest GPUs a job held for capacity so far could start with, per class rank
+        # (``held_could_start``).
+        self.held_min_gpus: dict[int, int] = {}
         # How many jobs of each class hold GPUs, kept up to date by ``_emit`` (hold reasons).
         self.holders: dict[str, int] = {}
         for job in holding_gpus(self.jobs.values()):
@@ -279,6 +282,17 @@ class PlanningPass:
             n -= take
             if n <= 0:
                 return
+
+    def _held_for_capacity(self, rank: int, min_gpus: int) -> None:
+        """Note a job of class ``rank`` held for capacity that could start on ``min_gpus``."""
+        self.capacity_blocked_rank = min(self.capacity_blocked_rank, rank)
+        if min_gpus < self.held_min_gpus.get(rank, 1 << 30):
+            self.held_min_gpus[rank] = min_gpus
+
+    def held_could_start(self, rank: int, gpus: int) -> bool:
+        """Whether a job of class ``rank`` or better held for capacity in this pass could start
+        on ``gpus`` GPUs (at its smallest size)."""
+        return any(n <= gpus for r, n in self.held_min_gpus.items() if r <= rank)
 
     def _zones_for(self, job: Job, dp: int) -> dict[str | None, int | None]:
         """Zones ``job`` may draw GPUs from at ``dp`` (``harvest.zones_open_to``), cached per pass."""

@@ -1,7 +1,10 @@
 """Rule 5, growth: an elastic job grows into GPUs nobody of its class or higher waits for.
 
 Only after ``resize_hysteresis_s`` since its last resize or start, only when no job of equal
-or higher class was held for capacity in this pass, only to a batch-exact DP (the global batch
+or higher class held for capacity in this pass could start on the free GPUs it may use
+(``PlanningPass.held_could_start``; one that could may still be kept from a pool's window that
+ends in a reclaim, ``harvest.takes_window``, and the job may then grow into such windows, its
+saving counted until the window ends), only to a batch-exact DP (the global batch
 never changes: accumulation is recomputed, see ``layout``), within its team's borrowing limit
 (rule 9), and only when the predicted saving
 over the remaining run beats ``grow_gain_factor`` x (step + save + load). GPUs borrowed from a
@@ -48,14 +51,21 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
                 and state._free_total(state._zones_for(job, job.dp_max)) >= job.tp * job.pp):
             state._wake_at(state.now + predict(job, state.config).save_s)
     for job in growers:
-        if PRIORITY_RANK[job.priority] >= state.capacity_blocked_rank:
-            continue
+        blocked = PRIORITY_RANK[job.priority] >= state.capacity_blocked_rank
         since = job.last_resize_s if job.last_resize_s is not None else job.run_started_s
         if since is not None and state.now - since < state.config.resize_hysteresis_s:
             # No wake-up for this: growth is opportunistic and the next pass will do.
             continue
         d = job.current_dp
         zones = state._zones_for(job, job.dp_max)
+        windows_only = blocked and state.held_could_start(PRIORITY_RANK[job.priority], state._free_total(zones))
+        if windows_only:
+            # Others of its class wait and one could start on these GPUs. A window that ends in
+            # a reclaim may be kept from them (``harvest.takes_window``): the job may grow into
+            # such windows only.
+            zones = window_zones(state, zones)
+            if not zones:
+                continue
         free = state._free_total(zones)
         if free < job.tp * job.pp:
             continue
@@ -80,18 +90,39 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
             after = list(job.gpus) + list(new)
             lent = sorted({z for g in new if (z := state.view.zone(g)) is not None})
             loan_end = min((state.pools[z].next_need_s for z in lent), default=INFINITY)
+            until = "over the remaining run"
+            if blocked and loan_end < INFINITY:
+                # Only until the window's end, when it shrinks back (a lead time before it).
+                window_s = loan_end - state.now - reclaim_lead_time(job, state.config, p)
+                saved_s = min(saved_s, max(0.0, window_s) * (1.0 - new_step / now_step))
+                until = f"until it gives them back, {window_s:.0f}s from now"
+                if saved_s < state.config.grow_gain_factor * cost_s:
+                    continue
+            if windows_only:
+                why = (f"{len(new)} GPUs of a pool's window that ends in a reclaim are free, and the jobs of equal "
+                       f"or higher priority that wait are kept off it (each would be stopped at its end)")
+            elif blocked:
+                why = f"{len(new)} GPUs are free and no job of equal or higher priority that waits could start on them"
+            else:
+                why = f"{len(new)} GPUs are free and nobody of equal or higher priority is waiting"
             state._emit("lend" if lent else "grow", job, after,
                         Reason("resize",
-                               f"{len(new)} GPUs are free and nobody of equal or higher priority is "
-                               f"waiting: the job grows from dp {d} to {target}; accumulation goes "
+                               f"{why}: the job grows from dp {d} to {target}; accumulation goes "
                                f"{accum_steps(job, d)} -> {accum_steps(job, target)} so the global batch "
-                               f"stays {job.global_batch}. Predicted saving {saved_s:.0f}s over the "
-                               f"remaining run against {cost_s:.0f}s to resize.",
+                               f"stays {job.global_batch}. Predicted saving {saved_s:.0f}s {until} "
+                               f"against {cost_s:.0f}s to resize.",
                                {"dp_before": d, "dp_after": target, "saved_s": round(saved_s, 1),
                                 "resize_cost_s": round(cost_s, 1), "free_gpus": free,
                                 **spread_of(after, state.nodes).as_inputs()}),
                         deadline_s=loan_end if loan_end < INFINITY else None)
             break
+
+
+def window_zones(state: PlanningPass, zones: dict[str | None, int | None]) -> dict[str | None, int | None]:
+    """The zones of ``zones`` that are pools lending a window that ends in a known reclaim."""
+    return {z: n for z, n in zones.items()
+            if n is not None and z in state.pools and state.pools[z].need_predictable
+            and state.pools[z].next_need_s < INFINITY}
 
 
 def start_larger(state: PlanningPass) -> None:

@@ -5,7 +5,10 @@ free, when the entitlement next needs GPUs (``next_need_s``) and how many must b
 (``must_be_free``). Free pool GPUs beyond that need (hot spares) may be lent until a fault
 asks for them; the rest only into a window that fits start-up + load + some steps + the
 reclaim lead time (``rhythm.reclaim_lead_time``), so the borrower has saved before the
-entitlement begins. Filling such known-free windows beats preempting later.
+entitlement begins. Filling such known-free windows beats preempting later. A borrower that
+would not finish in the window takes it only if it takes at least ``loan_share_min`` of the
+pool's GPUs (``takes_window``): each is stopped at the window's end, and a window cut into many
+small loans is as many stops; running jobs grow into what that keeps (``growth``).
 
 A pool whose job has not arrived has no known need: the job may come at any moment. It lends
 to borrowers that can save within ``reclaim_grace_s`` of being asked and, with
@@ -133,9 +136,31 @@ def lendable_gpus(pool: PoolState, borrower: Job, dp: int, now_s: float, config:
         # The reserved job may arrive at any moment: lend only to a borrower that can save
         # within reclaim_grace_s of being asked, or lose little if stopped without a save.
         return 0, window_s, needed_s
-    if window_s > 0 and window_s >= needed_s:
+    if window_s > 0 and window_s >= needed_s and (config.reclaim_mode == "kill"
+                                                  or takes_window(borrower, dp, pool, window_s, config)):
         return pool.free_gpus, window_s, needed_s
     return pool.spare_lendable, window_s, needed_s
+
+
+def finishes_within(job: Job, dp: int, window_s: float, config: PlannerConfig) -> bool:
+    """Whether ``job``, started now at ``dp``, would start up, load, run its remaining steps (the
+    planning step, ``safety_factor`` x the declared one) and still have a reclaim's lead time left
+    within ``window_s``: a loan of that window ends with the job done, not stopped."""
+    p = predict(job, config)
+    run_s = job.remaining_steps * step_time_at(job, dp) * config.safety_factor
+    return config.startup_s + p.load_s + run_s + reclaim_lead_time(job, config, p) <= window_s
+
+
+def takes_window(job: Job, dp: int, pool: PoolState, window_s: float, config: PlannerConfig) -> bool:
+    """Whether a job starting at ``dp`` may borrow ``pool``'s window of ``window_s``, which ends
+    in a reclaim: the window is at least ``min_run_s`` long (a turn as long as any job is sure
+    of between stops), it finishes within it (``finishes_within``), or it takes at least
+    ``loan_share_min`` of the pool's healthy GPUs, so that a short window is stopped in at most
+    1/share loans. A job already running (growing) is not asked: its reclaim is a shrink."""
+    if config.loan_share_min <= 0 or job.holdings or window_s >= config.min_run_s:
+        return True
+    return (dp * job.tp * job.pp >= config.loan_share_min * pool.healthy_gpus
+            or finishes_within(job, dp, window_s, config))
 
 
 def fits_in_grace(borrower: Job, config: PlannerConfig) -> bool:
@@ -448,7 +473,8 @@ def zones_open_to(state: PlanningPass, job: Job, dp: int) -> dict[str | None, in
         # from, which it must not be.
         return zones
     return open_pools(state, zones, lambda: min_loan_window_s(job, dp, state.config),
-                      lambda: may_borrow_unannounced(job, state.config))
+                      lambda: may_borrow_unannounced(job, state.config),
+                      lambda pool, window: takes_window(job, dp, pool, window, state.config))
 
 
 def open_pools(
@@ -456,12 +482,15 @@ def open_pools(
     zones: dict[str | None, int | None],
     window_s: Callable[[], float],
     unannounced_ok: Callable[[], bool],
+    takes: Callable[[PoolState, float], bool] | None = None,
 ) -> dict[str | None, int | None]:
     """``zones`` with the pools that may lend to a borrower whose shortest worthwhile loan is
-    ``window_s()`` (``min_loan_window_s``) and that may borrow a pool whose need may come at any
-    moment or not (``unannounced_ok()``: ``may_borrow_unannounced``), each capped at what it may
-    lend: ``zones_open_to``'s part for borrowed GPUs. Both are asked only if a pool needs them. A
-    smaller window, or being allowed unannounced pools, never opens fewer GPUs."""
+    ``window_s()`` (``min_loan_window_s``), that may borrow a pool whose need may come at any
+    moment or not (``unannounced_ok()``: ``may_borrow_unannounced``) and, if ``takes`` is given,
+    that may take a given pool's window ending in a reclaim (``takes(pool, window)``:
+    ``takes_window``), each capped at what it may lend: ``zones_open_to``'s part for borrowed
+    GPUs. Each is asked only if a pool needs it. A smaller window, being allowed unannounced
+    pools, or no ``takes``, never opens fewer GPUs."""
     if state._lendable_pools is None:
         state._lendable_pools = [(name, pool) for name, pool in sorted(state.pools.items()) if pool.free_gpus > 0]
     needed_s: float | None = None
@@ -478,7 +507,10 @@ def open_pools(
         window = pool.next_need_s - state.now
         if window > 0 and needed_s is None:
             needed_s = 0.0 if state.kill else window_s()
-        n = pool.free_gpus if window > 0 and needed_s is not None and window >= needed_s else pool.spare_lendable
+        fits = window > 0 and needed_s is not None and window >= needed_s
+        if fits and takes is not None and not state.kill and window < INFINITY and not takes(pool, window):
+            fits = False
+        n = pool.free_gpus if fits else pool.spare_lendable
         if n > 0:
             zones[name] = n
     return zones
@@ -525,6 +557,14 @@ def refused_loan_notes(state: PlanningPass, job: Job) -> list[str]:
             notes.append(f"{refused}: their job may arrive at any moment, and this one could not save within "
                          f"the {duration_words(state.config.reclaim_grace_s)} it would then have"
                          + unsaved_refusal_words(job, state.config))
+            continue
+        if 0 < window_s and needed_s <= window_s:
+            share = state.config.loan_share_min
+            notes.append(
+                f"{refused}: they are needed again in {duration_words(window_s)}, before this job could finish, "
+                f"and it would take {job.dp_min * job.tp * job.pp} of the pool's {pool.healthy_gpus} GPUs, "
+                f"less than the {share * 100:g}% a loan stopped at the window's end must take"
+            )
             continue
         notes.append(
             f"{refused}: they are needed again in {duration_words(max(window_s, 0.0))}, sooner than this job "

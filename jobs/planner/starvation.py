@@ -5,8 +5,10 @@ default to the policy's 2 hours) except to honour a reservation, a fault or a dr
 ``ageing_s`` a non-critical job waits raises its queue standing by one class step (never above
 regular, never ahead of critical work), and a regular job that has waited ``ageing_s`` may
 take GPUs from regular jobs that have had their turn (``turn_s``: ``min_run_s``, doubled for each
-time they were stopped before) — so nobody is preempted
-over and over without progress, and nobody waits forever behind a stream of newcomers. Within
+time they were stopped before) and that, stopped, would wait behind it in the queue
+(``requeues_behind``) — so nobody is preempted over and over without progress, nobody is
+stopped only to take its GPUs back at once, and nobody waits forever behind a stream of
+newcomers. Within
 a class and standing the queue goes by wait, a regular job's weighed with its length
 (``queue_order_s``), so short work is not stuck behind multi-day jobs.
 """
@@ -75,6 +77,14 @@ def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
     return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority],
             queue_order_s(job, since, config), job.name)
+
+
+def requeues_behind(victim: Job, standing_s: float, now_s: float, config: PlannerConfig) -> bool:
+    """Whether ``victim``, stopped at ``now_s``, would wait behind a job of its class whose
+    ``queue_order_s`` is ``standing_s``: only such a job may a long waiter stop. One that would
+    wait ahead (a short job, under ``queue_length_weight``) would take the GPUs back at the next
+    pass, and the stop would buy the waiter nothing but a save and a restart for the victim."""
+    return queue_order_s(victim, now_s, config) > standing_s
 
 
 def queue_order_s(job: Job, since: float, config: PlannerConfig) -> float:

@@ -27,7 +27,14 @@ from jobs.planner.layout import accum_steps, batch_divides, replicas_of
 from jobs.planner.quota import ages, reclaim_candidates, reclaim_words
 from jobs.planner.rhythm import predict, stop_time_s
 from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job, holding_gpus
-from jobs.planner.starvation import is_aged, protected_by_min_run, protected_from_long_waiters, waited_s
+from jobs.planner.starvation import (
+    is_aged,
+    protected_by_min_run,
+    protected_from_long_waiters,
+    queue_order_s,
+    requeues_behind,
+    waited_s,
+)
 from jobs.planner.wording import duration_words, returning_sentence, signal_stop_words
 
 if TYPE_CHECKING:
@@ -235,6 +242,8 @@ def take_from_victims(
     if state.victim_failed_at.get(key, 1 << 30) <= need:
         return False
     my_rank = PRIORITY_RANK[job.priority]
+    standing = queue_order_s(job, job.queued_since_s if job.queued_since_s is not None else job.submit_s,
+                             state.config)
     zone_set = set(zones)
     floors: dict[str, int] = {}
     book = state.teams
@@ -256,6 +265,10 @@ def take_from_victims(
                 if entry.excess and (forced or not entry.protected):
                     floors[other.name] = other.dp
                 elif not (aged and not entry.turn_protected and not entry.aged):
+                    continue
+                elif not requeues_behind(other, standing, state.now, state.config):
+                    # Stopped now, it would wait ahead of this job and take its GPUs back at
+                    # once: a save and a restart for nothing.
                     continue
                 elif book and not forced and other.team != job.team and book.reclaimable(other, job.team) <= 0:
                     # A long waiter does not take from a team within its quota (rule 9): that

@@ -176,3 +176,27 @@ def test_a_recurring_pools_gaps_are_unannounced_until_its_job_arrives() -> None:
     owner = job("vlm", "critical", dp=4, submit_s=2500.0, phase="pending")
     (reclaim,) = plan(snapshot(cluster(), [busy, borrower, owner], (hourly,)), 3600.0 - 40.0).by_kind("reclaim")
     assert reclaim.graceful and reclaim.reason.inputs["need_at_s"] == 3600.0
+
+
+def test_a_short_window_goes_only_to_a_borrower_large_enough_or_one_that_finishes_in_it() -> None:
+    # The pool's 32 GPUs are needed at 7,200 s; at 1,000 s the window (6,200 s) is shorter than
+    # min_run_s (7,200 s), so each borrower that would not finish in it must take at least
+    # loan_share_min (1/8) of the pool, 4 GPUs: a window is cut into at most 8 stopped loans.
+    busy = job("busy", gpus=GENERAL, dp=4)
+
+    def borrower(gpus: int, steps: int) -> list:
+        return [busy, job("b", tp=1, dp=gpus, total_steps=steps, step_s=1.0)]
+
+    def lent(jobs: list, now_s: float = 1000.0, config: PlannerConfig | None = None) -> bool:
+        return bool(plan(snapshot(cluster(), jobs, (RES,)), now_s, config).by_kind("lend"))
+
+    assert not lent(borrower(2, 10_000))
+    hold = plan(snapshot(cluster(), borrower(2, 10_000), (RES,)), 1000.0).by_kind("hold")[0]
+    assert ("32 free GPUs of reservation 'vlm-window' cannot be lent to it: they are needed again in "
+            "1 h 43 min, before this job could finish, and it would take 2 of the pool's 32 GPUs, less than the "
+            "12.5% a loan stopped at the window's end must take") in hold.reason.text
+    assert lent(borrower(4, 10_000))  # an eighth of the pool
+    assert lent(borrower(2, 1_000))  # done well before the need
+    assert lent(borrower(2, 10_000), now_s=0.0)  # a window of min_run_s: a whole turn
+    assert lent(borrower(2, 10_000), config=PlannerConfig(loan_share_min=0.0))
+    assert lent(borrower(2, 10_000), config=PlannerConfig(reclaim_mode="kill"))

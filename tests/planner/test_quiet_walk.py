@@ -14,6 +14,7 @@ import pytest
 
 from jobs.planner import admission
 from jobs.planner.admission import TIER_OTHER
+from jobs.planner.core import PlanningPass
 from jobs.planner.snapshot import PRIORITY_RANK
 
 
@@ -34,7 +35,10 @@ class ScriptedPass:
         self.room = self._room(rng)
         self.victim_failed_at: dict[tuple, int] = {}
         self.capacity_blocked_rank = 99
+        self.held_min_gpus: dict[int, int] = {}
         self.admitted: list[str] = []
+
+    _held_for_capacity = PlanningPass._held_for_capacity
 
     @staticmethod
     def _room(rng: random.Random) -> tuple[float, bool, int]:
@@ -55,7 +59,8 @@ class ScriptedPass:
 
     def _admit(self, job: str) -> None:
         if self._held(job):
-            self.capacity_blocked_rank = min(self.capacity_blocked_rank, self.members[job][0][2])
+            sig = self.members[job][0]
+            self._held_for_capacity(sig[2], sig[0])
             return
         self.admitted.append(job)
         rng = random.Random(f"{self.seed}:{job}")
@@ -105,7 +110,7 @@ def _reference(state: ScriptedPass, others: list, groups: dict) -> None:
                      for sig, members in groups.items() for since, name, _, _, job in members])
     for _, job, sig in walk:
         if sig is not None and (_shut(state, sig) or state._held(job)):
-            state.capacity_blocked_rank = min(state.capacity_blocked_rank, sig[2])
+            state._held_for_capacity(sig[2], sig[0])
             continue
         state._admit(job)
 
@@ -119,6 +124,7 @@ def test_the_walk_by_groups_admits_and_holds_as_the_walk_job_by_job(seed: int) -
     admission._walk_quietly(walked, others, {sig: list(m) for sig, m in groups.items()})
     assert walked.admitted == expected.admitted
     assert walked.capacity_blocked_rank == expected.capacity_blocked_rank
+    assert walked.held_min_gpus == expected.held_min_gpus
     assert walked.victim_failed_at == expected.victim_failed_at
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.planner import Gpu, Job, Reservation, plan
+from jobs.planner import Gpu, Job, PlannerConfig, Reservation, plan
 from jobs.planner.layout import accum_steps, layout_problems, valid_dps
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
@@ -86,9 +86,48 @@ def test_a_job_started_below_dp_max_starts_larger_when_gpus_are_free() -> None:
         assert (start.job, start.kind, start.dp_after) == ("sweep", "lend", dp)
 
 
-def test_no_growth_while_an_equal_priority_job_waits() -> None:
+def test_growth_while_an_equal_priority_job_waits_only_into_gpus_it_could_not_start_on() -> None:
+    # 48 GPUs are free and the waiting job needs 64 at its smallest: it could not start on them,
+    # so the running job of its class grows into them (shrunk back to its preferred size when
+    # the waiter can then start, rule 4).
     j = job("sft", tp=8, dp=2, dp_min=1, dp_max=8, global_batch=64, gpus=gpus_on(*EIGHT_NODES[:2]),
             run_started_s=0.0, total_steps=100_000)
     big = job("big", tp=8, dp=8)
-    result = plan(snapshot(cluster(), [j, big]), 4000.0)
-    assert not result.by_kind("grow")
+    (grow,) = plan(snapshot(cluster(), [j, big]), 4000.0).by_kind("grow")
+    assert (grow.job, grow.dp_after) == ("sft", 8)
+    assert "48 GPUs are free and no job of equal or higher priority that waits could start on them" in grow.reason.text
+    # One that needs 32 waits while 16 are free: it could not start on them either, so sft grows.
+    small = job("small", tp=8, dp=4, dp_min=4)
+    busy = job("busy", tp=8, dp=2, gpus=gpus_on(*EIGHT_NODES[2:4]))
+    other = job("other", tp=8, dp=2, gpus=gpus_on(*EIGHT_NODES[4:6]))
+    result = plan(snapshot(cluster(), [j, busy, other, small]), 4000.0)
+    assert result.by_kind("hold")[0].job == "small"
+    assert [(a.job, a.dp_after) for a in result.by_kind("grow")] == [("sft", 4)]
+    # A waiting job that could start on free GPUs it may use would have been started; one held
+    # off them (a pool's short window, harvest.takes_window) keeps growth to such windows: below.
+
+
+def test_a_job_kept_off_a_short_window_leaves_it_to_a_running_job_that_grows_into_it() -> None:
+    # General capacity is full; the pool's 32 GPUs are needed at 7,200 s. The waiting job would
+    # take 2 of them and not finish before then (harvest.takes_window): it is kept off them, and
+    # the running elastic job grows into the window instead, its saving counted until the window
+    # ends. Its reclaim then is a shrink, not a stop.
+    pool = EIGHT_NODES[4:]
+    res = Reservation("window", "crit", gpus=32, start_s=7200.0, nodes=pool)
+    sft = job("sft", tp=8, dp=2, dp_min=2, dp_max=6, global_batch=96, gpus=gpus_on(*EIGHT_NODES[:2]),
+              run_started_s=0.0, total_steps=100_000, step_s=4.0)
+    busy = job("busy", tp=8, dp=2, gpus=gpus_on(*EIGHT_NODES[2:4]))
+    small = job("small", tp=1, dp=2, total_steps=100_000)
+    result = plan(snapshot(cluster(), [sft, busy, small], (res,)), 4000.0)
+    (lend,) = result.by_kind("lend")
+    assert (lend.job, lend.dp_after, lend.borrowed_from, lend.deadline_s) == ("sft", 6, ("window",), 7200.0)
+    assert {g.node for g in lend.gpus_after} - set(EIGHT_NODES[:2]) <= set(pool)
+    assert "no job of equal or higher priority that waits could start on them" not in lend.reason.text
+    saved = lend.reason.inputs["saved_s"]
+    assert 0 < saved < 3200.0  # the window, not the remaining 100,000 steps
+    assert result.by_kind("hold")[0].job == "small"
+    # Without the rule the small job borrows 2 GPUs of the window (to be stopped at its end), and
+    # sft grows into the rest.
+    result = plan(snapshot(cluster(), [sft, busy, small], (res,)), 4000.0, PlannerConfig(loan_share_min=0.0))
+    assert [(a.job, a.kind, len(a.gpus_after)) for a in result.actions if a.kind in ("lend", "grow")] == [
+        ("small", "lend", 2), ("sft", "lend", 32)]

@@ -10,6 +10,7 @@ from jobs.planner.starvation import (
     protected_from_long_waiters,
     queue_key,
     queue_order_s,
+    requeues_behind,
     turn_s,
 )
 from tests.planner.factory import cluster, gpus_on, job, snapshot
@@ -127,3 +128,21 @@ def test_the_static_baseline_stays_first_come_first_served() -> None:
     long = job("long", submit_s=0.0, total_steps=100_000, step_s=1.0)
     short = job("short", submit_s=1000.0, total_steps=1000, step_s=1.0)
     assert _first_started([long, short], 1100.0, PlannerConfig(), planner=plan_static) == ["long"]
+
+
+def test_a_long_waiter_does_not_stop_a_job_that_would_wait_ahead_of_it() -> None:
+    # The waiter has 100,000 s of steps left: it stands at 600 + 25,000 s. A runner with 10,000 s
+    # left, stopped at 7,800 s, would stand at 7,800 + 2,500 s, ahead of it, and take its GPUs
+    # back at the next pass: the long waiter leaves it be. One with 100,000 s left would stand
+    # at 7,800 + 25,000 s, behind it, and is stopped.
+    waiter = job("waiter", dp=1, submit_s=600.0, queued_since_s=600.0, total_steps=100_000)
+    config = PlannerConfig()
+    for left, stopped in ((10_000, False), (100_000, True)):
+        runner = job("runner", dp=2, dp_min=1, global_batch=64, gpus=ALL, run_started_s=0.0, min_run_s=7200.0,
+                     total_steps=left)
+        assert requeues_behind(runner, queue_order_s(waiter, 600.0, config), 7800.0, config) is stopped
+        result = plan(snapshot(NODES, [runner, waiter]), 7800.0)
+        taken = [a for a in result.actions if a.kind in ("shrink", "preempt")]
+        assert [(a.job, a.reason.rule) for a in taken] == ([("runner", "starvation")] if stopped else [])
+        if not stopped:
+            assert result.by_kind("hold")[0].job == "waiter"
