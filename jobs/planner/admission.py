@@ -23,7 +23,14 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.faults import continue_on_survivors, surviving_replicas
-from jobs.planner.harvest import loan_notes, may_borrow_unannounced, open_pools, refused_loan_notes
+from jobs.planner.harvest import (
+    finish_window_s,
+    loan_notes,
+    may_borrow_unannounced,
+    open_pools,
+    refused_loan_notes,
+    window_taken,
+)
 from jobs.planner.kept import KeptById, KeptByName
 from jobs.planner.layout import accum_steps, valid_dps
 from jobs.planner.queue_walk import walk_by_groups
@@ -56,15 +63,18 @@ TIER_RECOVERING = 1
 TIER_CRITICAL = 2
 TIER_OTHER = 3
 # A quiet pass's groups of plain waiters (``_walk_quietly``): (GPUs at the smallest size, queue
-# standing, class, long waiter, tp, pp), and each member as (waiting since, name, its shortest
+# standing, class, long waiter, tp, pp, the band of the window it would finish in if shorter than
+# ``min_run_s``, else None: ``finish_bucket``; ``harvest.window_taken`` asks that of no one
+# else), and each member as (waiting since, name, its shortest
 # worthwhile loan at its smallest size (``min_loan_window_s``), whether it can stop within the
 # grace or be stopped unsaved, so may borrow a pool whose need may come at any moment
-# (``harvest.may_borrow_unannounced``), job).
-Group = tuple[int, int, int, bool, int, int]
-Waiter = tuple[float, str, float, bool, Job]
+# (``harvest.may_borrow_unannounced``), the window it would finish in at its smallest size
+# (``harvest.finish_window_s``), job).
+Group = tuple[int, int, int, bool, int, int, int | None]
+Waiter = tuple[float, str, float, bool, float, Job]
 # What ``_quiet_group`` reads of a plain waiter itself: (GPUs at its smallest size or None, class
-# rank, regular, waiting since, its member of a group, tp, pp).
-PlainWaiter = tuple[int | None, int, bool, float, Waiter, int, int]
+# rank, regular, waiting since, its member of a group, tp, pp, ``finish_bucket``).
+PlainWaiter = tuple[int | None, int, bool, float, Waiter, int, int, int | None]
 #: (job, config, ``_plain_waiter(job, config)``, ``_WaiterMemo``) per job snapshot, for every pass
 #: that walks by groups.
 _PLAIN_WAITERS = KeptById()
@@ -315,27 +325,42 @@ def _plain_waiter(job: Job, config: PlannerConfig) -> PlainWaiter | None:
     sizes = valid_dps(job)
     since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
     window_s = min_loan_window_s(job, sizes[0], config) if sizes else INFINITY
+    finish_s = finish_window_s(job, sizes[0], config) if sizes else INFINITY
     return (sizes[0] * job.tp * job.pp if sizes else None, PRIORITY_RANK[job.priority],
             job.priority == "regular", since,
-            (queue_order_s(job, since, config), job.name, window_s, may_borrow_unannounced(job, config), job),
-            job.tp, job.pp)
+            (queue_order_s(job, since, config), job.name, window_s, may_borrow_unannounced(job, config), finish_s,
+             job),
+            job.tp, job.pp, finish_bucket(finish_s, config))
+
+
+def finish_bucket(finish_s: float, config: PlannerConfig) -> int | None:
+    """Which of a group's bands a plain waiter's ``harvest.finish_window_s`` falls in: None at
+    ``min_run_s`` or more (it finishes in no window the share rule applies to), else k with
+    ``finish_s`` in (60 x 2^(k-1), 60 x 2^k] s. Jobs of one band finish within a factor of two of
+    each other, so a group is seldom open for one finisher while its other members are held."""
+    if finish_s >= config.min_run_s:
+        return None
+    return max(0, math.ceil(math.log2(max(finish_s, 1.0) / 60.0)))
 
 
 def _group_at(entry: PlainWaiter, now_s: float, ageing_s: float) -> Group:
     """A plain waiter's group at ``now_s``: its standing is ``starvation.effective_rank`` (its
     class is never critical) and it is a long waiter as ``starvation.is_aged`` says."""
-    need, rank, regular, since, _, tp, pp = entry
+    need, rank, regular, since, _, tp, pp, short = entry
     waited = now_s - since
     if waited < 0.0:
         waited = 0.0
     standing = max(1, rank - int(waited // ageing_s)) if ageing_s > 0 else rank
-    return (need, standing, rank, regular and waited >= ageing_s, tp, pp)
+    return (need, standing, rank, regular and waited >= ageing_s, tp, pp, short)
 
 
 def _quiet_group(state: PlanningPass, job: Job) -> Group | None:
     """A plain waiter's group for ``_walk_quietly``: (GPUs at its smallest size, queue standing,
-    class, long waiter, tp, pp), everything ``_waits_quietly`` reads of it without teams and the
-    shape ``admit``'s quick hold reads (its loan terms go with each member); None for a job
+    class, long waiter, tp, pp, ``finish_bucket``), everything
+    ``_waits_quietly`` reads of it without teams and the shape ``admit``'s quick hold reads (its
+    loan terms go with each member; a job that could not finish in such a window is refused the
+    windows ``harvest.window_taken`` keeps from small borrowers whatever its run, so its group
+    is shut by them as a whole); None for a job
     that is not a plain waiter (waiting for its first GPUs, or again after a stop, not critical,
     reserving and lending nothing; its queue tier is ``TIER_OTHER``) or has no valid size
     (``admit`` decides it)."""
@@ -359,38 +384,50 @@ def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: 
     wait; like ``admit``'s holds for capacity, each counts its class as held for capacity.
     """
     best_effort = PRIORITY_RANK["best_effort"]
-    terms: dict[Group, tuple[float, bool]] = {}  # per group: its members' loosest loan terms
+    # Per group, its members' loosest loan terms from each member on (the walk's sorted order):
+    # a group is shut by the terms of the jobs still ahead of the walk.
+    terms: dict[Group, list[tuple[float, bool, float]]] = {}
 
-    def shut_now() -> Callable[[Group], bool]:
+    def terms_from(sig: Group, at: int) -> tuple[float, bool, float]:
+        suffix = terms.get(sig)
+        if suffix is None:
+            suffix, loosest = [], (INFINITY, False, INFINITY)
+            for m in reversed(groups[sig]):
+                loosest = (min(loosest[0], m[2]), loosest[1] or m[3], min(loosest[2], m[4]))
+                suffix.append(loosest)
+            suffix.reverse()
+            terms[sig] = suffix
+        return suffix[at] if at < len(suffix) else (INFINITY, False, INFINITY)
+
+    def shut_now() -> Callable[[Group, Callable[[], int]], bool]:
         free = state._free_for_anyone()
         failed = state.victim_failed_at
         victims = state.takes_victims
-        blocked: dict[Group, bool] = {}
+        blocked: dict[tuple[Group, int], bool] = {}
 
-        def shut(sig: Group) -> bool:
-            need, standing, rank, aged, _, _ = sig
+        def shut(sig: Group, at: Callable[[], int]) -> bool:
+            need, standing, rank, aged = sig[:4]
             hopeless = standing >= best_effort or failed.get((rank, standing, False, aged), 1 << 30) <= need
             if need > free and (hopeless or not victims):
                 return True
             if not hopeless:
                 return False
-            hit = blocked.get(sig)
+            # Only a group that may hold a job finishing in a short window (``window_taken``) has
+            # terms that change along the walk; any other's are its first member's on.
+            i = at() if sig[6] is not None else 0
+            hit = blocked.get((sig, i))
             if hit is None:
-                loosest = terms.get(sig)
-                if loosest is None:
-                    members = groups[sig]
-                    loosest = terms[sig] = (min(m[2] for m in members), any(m[3] for m in members))
-                hit = blocked[sig] = state._group_blocked(sig, *loosest)
+                hit = blocked[(sig, i)] = state._group_blocked(sig, *terms_from(sig, i))
             return hit
         return shut
 
     def passed(sig: Group) -> None:
-        state._held_for_capacity(sig[2], sig[0])
+        state.capacity_blocked_rank = sig[2]
 
     # A member's queue key is ``starvation.queue_key``'s, put together from its group and its
     # (waiting since, name).
     walk_by_groups(others, groups, lambda sig, m: (TIER_OTHER, sig[1], sig[2], m[0], m[1]), shut_now,
-                   state._admit, passed, heeds=lambda sig: sig[0] < state.held_min_gpus.get(sig[2], 1 << 30))
+                   state._admit, passed, heeds=lambda sig: sig[2] < state.capacity_blocked_rank, head_aware=True)
 
 
 def _pop_current(state: PlanningPass, heap: list[tuple[tuple, int, tuple, Job]]) -> Iterator[tuple[tuple, Job]]:
@@ -430,7 +467,7 @@ def _waits_quietly(state: PlanningPass, key: tuple, job: Job, free: float) -> bo
         aged = job.priority == "regular" and quota.ages(state, job) and is_aged(job, state.now, state.config)
         if state.victim_failed_at.get((PRIORITY_RANK[job.priority], rank, False, aged), 1 << 30) > need:
             return False
-    state._held_for_capacity(PRIORITY_RANK[job.priority], need)
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
     return True
 
 
@@ -444,14 +481,17 @@ def free_for_anyone(state: PlanningPass) -> float:
     return sum(totals.values())
 
 
-def group_blocked(state: PlanningPass, sig: Group, window_s: float, unannounced_ok: bool) -> bool:
+def group_blocked(state: PlanningPass, sig: Group, window_s: float, unannounced_ok: bool,
+                  finish_s: float = INFINITY) -> bool:
     """Whether ``admit``'s quick hold (its first test, or the one on the zones a job may use)
     would hold every plain waiter of group ``sig`` now: it does for the member that may borrow
-    the most, whose shortest worthwhile loan is ``window_s`` and which may borrow a pool whose
-    need may come at any moment if ``unannounced_ok`` (``harvest.open_pools``: a shorter loan, or
-    being allowed such pools, never opens fewer GPUs), so it does for each."""
-    need, _, _, _, tp, pp = sig
-    zones = open_pools(state, {None: None}, lambda: window_s, lambda: unannounced_ok)
+    the most, whose shortest worthwhile loan is ``window_s``, which may borrow a pool whose
+    need may come at any moment if ``unannounced_ok``, and which would finish in a window of
+    ``finish_s`` (``harvest.open_pools``, ``harvest.window_taken``: a shorter loan, being allowed
+    such pools, or a shorter run, never opens fewer GPUs), so it does for each."""
+    need, tp, pp, config = sig[0], sig[4], sig[5], state.config
+    zones = open_pools(state, {None: None}, lambda: window_s, lambda: unannounced_ok,
+                       lambda pool, window: window_taken(need, finish_s, pool, window, config))
     return blocked_in(state, zones, tp, pp, need // (tp * pp))[0]
 
 
@@ -735,7 +775,7 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
                     zoned: bool = False) -> None:
     """The cheap hold for the tail of a long queue: nothing anywhere could start it (``zoned``:
     nothing in the zones it may use, so the sentence says which pools may not lend to it)."""
-    state._held_for_capacity(PRIORITY_RANK[job.priority], job.dp_min * rep)
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
     if not state.explain:
         return
     need = preferred * rep
@@ -750,7 +790,7 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
 
 def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
     """Hold a job that cannot start now, with the reasons in plain words."""
-    state._held_for_capacity(PRIORITY_RANK[job.priority], job.dp_min * rep)
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
     if not state.explain:
         return
     need = preferred * rep

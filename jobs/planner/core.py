@@ -41,10 +41,11 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Action, Plan, Reason
 from jobs.planner.entitlements import is_active, next_start_s
 from jobs.planner.harvest import PoolState
-from jobs.planner.layout import accum_steps, fit_problems
+from jobs.planner.layout import accum_steps, fit_problems, valid_dps
 from jobs.planner.quota import TeamBook
 from jobs.planner.snapshot import (
     PLACEABLE_HEALTH,
+    PRIORITY_RANK,
     WAITING_PHASES,
     Gpu,
     Job,
@@ -125,9 +126,9 @@ class PlanningPass:
                 self.soon_free_by.setdefault(zone, []).append(job.name)
         # The best class held for capacity so far: nobody of that class or lower grows.
         self.capacity_blocked_rank = 99
-        # The fewest GPUs a job held for capacity so far could start with, per class rank
-        # (``held_could_start``).
-        self.held_min_gpus: dict[int, int] = {}
+        # The fewest GPUs a job still waiting after the queue could start with, per class rank
+        # (``held_could_start``), worked out when first asked.
+        self._waiting_min_gpus: dict[int, int] | None = None
         # How many jobs of each class hold GPUs, kept up to date by ``_emit`` (hold reasons).
         self.holders: dict[str, int] = {}
         for job in holding_gpus(self.jobs.values()):
@@ -283,16 +284,24 @@ class PlanningPass:
             if n <= 0:
                 return
 
-    def _held_for_capacity(self, rank: int, min_gpus: int) -> None:
-        """Note a job of class ``rank`` held for capacity that could start on ``min_gpus``."""
-        self.capacity_blocked_rank = min(self.capacity_blocked_rank, rank)
-        if min_gpus < self.held_min_gpus.get(rank, 1 << 30):
-            self.held_min_gpus[rank] = min_gpus
-
     def held_could_start(self, rank: int, gpus: int) -> bool:
-        """Whether a job of class ``rank`` or better held for capacity in this pass could start
-        on ``gpus`` GPUs (at its smallest size)."""
-        return any(n <= gpus for r, n in self.held_min_gpus.items() if r <= rank)
+        """Whether a job of class ``rank`` or better that still waits after the queue (not started
+        in this pass, not between its reservation's windows) could start on ``gpus`` GPUs at its
+        smallest size. Asked by growth, after the queue."""
+        mins = self._waiting_min_gpus
+        if mins is None:
+            mins = self._waiting_min_gpus = {}
+            for job in self.jobs.values():
+                if (job.holdings or job.parked or job.phase not in WAITING_PHASES or job.name in self.acted
+                        or self._dormant_between_windows(job) is not None):
+                    continue
+                sizes = valid_dps(job)
+                if not sizes:
+                    continue
+                r, n = PRIORITY_RANK[job.priority], sizes[0] * job.tp * job.pp
+                if n < mins.get(r, 1 << 30):
+                    mins[r] = n
+        return any(n <= gpus for r, n in mins.items() if r <= rank)
 
     def _zones_for(self, job: Job, dp: int) -> dict[str | None, int | None]:
         """Zones ``job`` may draw GPUs from at ``dp`` (``harvest.zones_open_to``), cached per pass."""

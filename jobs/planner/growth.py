@@ -58,17 +58,18 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
             continue
         d = job.current_dp
         zones = state._zones_for(job, job.dp_max)
-        windows_only = blocked and state.held_could_start(PRIORITY_RANK[job.priority], state._free_total(zones))
+        free = state._free_total(zones)
+        if free < job.tp * job.pp:
+            continue
+        windows_only = blocked and state.held_could_start(PRIORITY_RANK[job.priority], free)
         if windows_only:
             # Others of its class wait and one could start on these GPUs. A window that ends in
             # a reclaim may be kept from them (``harvest.takes_window``): the job may grow into
             # such windows only.
             zones = window_zones(state, zones)
-            if not zones:
+            free = state._free_total(zones)
+            if free < job.tp * job.pp:
                 continue
-        free = state._free_total(zones)
-        if free < job.tp * job.pp:
-            continue
         cand = state.view.candidates(zones)
         anchor = sorted({g.node for g in job.gpus})
         p = predict(job, state.config)

@@ -7,7 +7,7 @@ asks for them; the rest only into a window that fits start-up + load + some step
 reclaim lead time (``rhythm.reclaim_lead_time``), so the borrower has saved before the
 entitlement begins. Filling such known-free windows beats preempting later. A borrower that
 would not finish in the window takes it only if it takes at least ``loan_share_min`` of the
-pool's GPUs (``takes_window``): each is stopped at the window's end, and a window cut into many
+pool's GPUs (``takes_window``, ``window_taken``): each is stopped at the window's end, and a window cut into many
 small loans is as many stops; running jobs grow into what that keeps (``growth``).
 
 A pool whose job has not arrived has no known need: the job may come at any moment. It lends
@@ -142,25 +142,32 @@ def lendable_gpus(pool: PoolState, borrower: Job, dp: int, now_s: float, config:
     return pool.spare_lendable, window_s, needed_s
 
 
-def finishes_within(job: Job, dp: int, window_s: float, config: PlannerConfig) -> bool:
-    """Whether ``job``, started now at ``dp``, would start up, load, run its remaining steps (the
-    planning step, ``safety_factor`` x the declared one) and still have a reclaim's lead time left
-    within ``window_s``: a loan of that window ends with the job done, not stopped."""
+def finish_window_s(job: Job, dp: int, config: PlannerConfig) -> float:
+    """The window ``job`` started now at ``dp`` needs to start up, load, run its remaining steps
+    (the planning step, ``safety_factor`` x the declared one) and still have a reclaim's lead time
+    left: a loan of at least that ends with the job done, not stopped."""
     p = predict(job, config)
     run_s = job.remaining_steps * step_time_at(job, dp) * config.safety_factor
-    return config.startup_s + p.load_s + run_s + reclaim_lead_time(job, config, p) <= window_s
+    return config.startup_s + p.load_s + run_s + reclaim_lead_time(job, config, p)
 
 
 def takes_window(job: Job, dp: int, pool: PoolState, window_s: float, config: PlannerConfig) -> bool:
     """Whether a job starting at ``dp`` may borrow ``pool``'s window of ``window_s``, which ends
-    in a reclaim: the window is at least ``min_run_s`` long (a turn as long as any job is sure
-    of between stops), it finishes within it (``finishes_within``), or it takes at least
-    ``loan_share_min`` of the pool's healthy GPUs, so that a short window is stopped in at most
-    1/share loans. A job already running (growing) is not asked: its reclaim is a shrink."""
+    in a reclaim (``window_taken``). A job already running (growing) is not asked: its reclaim is
+    a shrink."""
     if config.loan_share_min <= 0 or job.holdings or window_s >= config.min_run_s:
         return True
-    return (dp * job.tp * job.pp >= config.loan_share_min * pool.healthy_gpus
-            or finishes_within(job, dp, window_s, config))
+    return window_taken(dp * job.tp * job.pp, finish_window_s(job, dp, config), pool, window_s, config)
+
+
+def window_taken(gpus: int, finish_s: float, pool: PoolState, window_s: float, config: PlannerConfig) -> bool:
+    """Whether a borrower of ``gpus`` that needs ``finish_s`` to finish (``finish_window_s``) may
+    borrow ``pool``'s window of ``window_s``, which ends in a reclaim: the window is at least
+    ``min_run_s`` long (a turn as long as any job is sure of between stops), the borrower finishes
+    within it, or it takes at least ``loan_share_min`` of the pool's healthy GPUs, so that a short
+    window is stopped in at most 1/share loans."""
+    return (config.loan_share_min <= 0 or window_s >= config.min_run_s or finish_s <= window_s
+            or gpus >= config.loan_share_min * pool.healthy_gpus)
 
 
 def fits_in_grace(borrower: Job, config: PlannerConfig) -> bool:

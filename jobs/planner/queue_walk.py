@@ -32,6 +32,7 @@ def walk_by_groups(
     decide: Callable[[J], Any],
     passed: Callable[[G], Any] | None = None,
     heeds: Callable[[G], bool] = lambda g: True,
+    head_aware: bool = False,
 ) -> None:
     """Walk ``others`` (``(queue key, job)``, sorted) and ``groups`` together in queue order.
 
@@ -41,6 +42,9 @@ def walk_by_groups(
     - ``shut_now()`` returns the test of the state as it stands: ``shut(g)`` is True when every job
       of ``g`` would be left waiting. It is asked again after each ``decide``.
     - ``decide(job)`` decides a job of ``others`` or of an open group.
+    - With ``head_aware``, ``shut(g, at)`` is given ``at()``, the index in the sorted group of its
+      first job not yet behind the walk (asked only if needed: it sorts the group), so a group's
+      terms can be those of the jobs still ahead.
     - ``passed(g)``, if given, is called when the walk passes jobs of a shut group that
       ``heeds(g)`` (before the next job it decides, or at the end). ``heeds`` is asked first so
       that a group nobody heeds is not sorted to find out.
@@ -74,7 +78,7 @@ def walk_by_groups(
         best_at = 0
         closed = []
         for g, members in groups.items():
-            if shut(g):
+            if shut(g, lambda g=g, last=last: head_of(g, last)[0]) if head_aware else shut(g):
                 closed.append(g)
                 continue
             i, key = head_of(g, last)

@@ -14,7 +14,6 @@ import pytest
 
 from jobs.planner import admission
 from jobs.planner.admission import TIER_OTHER
-from jobs.planner.core import PlanningPass
 from jobs.planner.snapshot import PRIORITY_RANK
 
 
@@ -35,10 +34,7 @@ class ScriptedPass:
         self.room = self._room(rng)
         self.victim_failed_at: dict[tuple, int] = {}
         self.capacity_blocked_rank = 99
-        self.held_min_gpus: dict[int, int] = {}
         self.admitted: list[str] = []
-
-    _held_for_capacity = PlanningPass._held_for_capacity
 
     @staticmethod
     def _room(rng: random.Random) -> tuple[float, bool, int]:
@@ -49,9 +45,10 @@ class ScriptedPass:
     def _free_for_anyone(self) -> float:
         return self.free
 
-    def _group_blocked(self, sig: tuple, window_s: float, fits_grace: bool) -> bool:
+    def _group_blocked(self, sig: tuple, window_s: float, fits_grace: bool, finish_s: float = math.inf) -> bool:
         longest, to_grace, gpus = self.room
-        return sig[0] > (gpus if window_s <= longest or (fits_grace and to_grace) else 0)
+        # A member that would finish in the pools' windows may borrow them too (``window_taken``).
+        return sig[0] > (gpus if window_s <= longest or (fits_grace and to_grace) or finish_s <= longest else 0)
 
     def _held(self, job: str) -> bool:
         hit = self.members.get(job)
@@ -59,8 +56,7 @@ class ScriptedPass:
 
     def _admit(self, job: str) -> None:
         if self._held(job):
-            sig = self.members[job][0]
-            self._held_for_capacity(sig[2], sig[0])
+            self.capacity_blocked_rank = min(self.capacity_blocked_rank, self.members[job][0][2])
             return
         self.admitted.append(job)
         rng = random.Random(f"{self.seed}:{job}")
@@ -71,13 +67,13 @@ class ScriptedPass:
             self.free = rng.randrange(0, 12)  # up or down
             self.room = self._room(rng)
         elif move < 0.75 and self.sigs:
-            need, standing, rank, aged, _, _ = rng.choice(self.sigs)
+            need, standing, rank, aged = rng.choice(self.sigs)[:4]
             key = (rank, standing, False, aged)
             self.victim_failed_at[key] = min(self.victim_failed_at.get(key, 1 << 30), rng.choice((1, 2, 4, 8)))
 
 
 def _hopeless(state: ScriptedPass, sig: tuple) -> bool:
-    need, standing, rank, aged, _, _ = sig
+    need, standing, rank, aged = sig[:4]
     return (standing >= PRIORITY_RANK["best_effort"]
             or state.victim_failed_at.get((rank, standing, False, aged), 1 << 30) <= need)
 
@@ -87,30 +83,32 @@ def _shut(state: ScriptedPass, sig: tuple) -> bool:
     return sig[0] > state._free_for_anyone() and _hopeless(state, sig)
 
 
-def _queue(seed: int) -> tuple[list[tuple[tuple, str]], dict[tuple, list[tuple[float, str, str]]]]:
+def _queue(seed: int) -> tuple[list[tuple[tuple, str]], dict[tuple, list[tuple]]]:
     rng = random.Random(seed)
     others = sorted(((rng.choice((0, 2, TIER_OTHER)), rng.choice((1, 2)), rng.choice((1, 2)), float(rng.randrange(50)),
                       f"o{i}"), f"o{i}") for i in range(rng.randrange(0, 6)))
-    groups: dict[tuple, list[tuple[float, str, str]]] = {}
+    groups: dict[tuple, list[tuple]] = {}
     for i in range(rng.randrange(0, 60)):
         rank = rng.choice((1, 2))
-        sig = (rng.choice((1, 2, 4, 8, 16)), rng.choice((1, rank)), rank, rank == 1 and rng.random() < 0.3, 1, 1)
+        short = rng.choice((None, 3, 6))  # finish_bucket: a band's terms move along the walk
+        sig = (rng.choice((1, 2, 4, 8, 16)), rng.choice((1, rank)), rank, rank == 1 and rng.random() < 0.3, 1, 1, short)
         groups.setdefault(sig, []).append((float(rng.randrange(50)), f"p{i}", rng.choice((200.0, 500.0, 900.0)),
-                                           rng.random() < 0.3, f"p{i}"))
+                                           rng.random() < 0.3, rng.choice((300.0, 3000.0)) if short is not None else math.inf,
+                                           f"p{i}"))
     return others, groups
 
 
 def _scripted(seed: int, groups: dict) -> ScriptedPass:
-    return ScriptedPass(seed, list(groups), {m[-1]: (sig, m[2], m[3]) for sig, ms in groups.items() for m in ms})
+    return ScriptedPass(seed, list(groups), {m[-1]: (sig, m[2], m[3], m[4]) for sig, ms in groups.items() for m in ms})
 
 
 def _reference(state: ScriptedPass, others: list, groups: dict) -> None:
     walk = sorted([(key, job, None) for key, job in others]
                   + [((TIER_OTHER, sig[1], sig[2], since, name), job, sig)
-                     for sig, members in groups.items() for since, name, _, _, job in members])
+                     for sig, members in groups.items() for since, name, _, _, _, job in members])
     for _, job, sig in walk:
         if sig is not None and (_shut(state, sig) or state._held(job)):
-            state._held_for_capacity(sig[2], sig[0])
+            state.capacity_blocked_rank = min(state.capacity_blocked_rank, sig[2])
             continue
         state._admit(job)
 
@@ -124,7 +122,6 @@ def test_the_walk_by_groups_admits_and_holds_as_the_walk_job_by_job(seed: int) -
     admission._walk_quietly(walked, others, {sig: list(m) for sig, m in groups.items()})
     assert walked.admitted == expected.admitted
     assert walked.capacity_blocked_rank == expected.capacity_blocked_rank
-    assert walked.held_min_gpus == expected.held_min_gpus
     assert walked.victim_failed_at == expected.victim_failed_at
 
 
@@ -138,7 +135,7 @@ def test_the_script_reopens_shut_groups_behind_the_walk() -> None:
         shut_seen: set[tuple] = set()
         walk = sorted([(key, job, None) for key, job in others]
                       + [((TIER_OTHER, s[1], s[2], since, name), job, s)
-                         for s, m in groups.items() for since, name, _, _, job in m])
+                         for s, m in groups.items() for since, name, _, _, _, job in m])
         for _, job, sig in walk:
             if sig is not None and _shut(state, sig):
                 shut_seen.add(sig)
@@ -162,7 +159,7 @@ def test_the_script_shuts_whole_groups_by_their_loosest_loan_terms() -> None:
             if not _hopeless(state, sig) or _shut(state, sig):
                 continue
             held = [state._held(m[-1]) for m in members]
-            loosest = (min(m[2] for m in members), any(m[3] for m in members))
+            loosest = (min(m[2] for m in members), any(m[3] for m in members), min(m[4] for m in members))
             assert state._group_blocked(sig, *loosest) == all(held), (seed, sig)
             shut += all(held)
             mixed += any(held) and not all(held)
@@ -185,8 +182,12 @@ def test_a_plain_waiter_is_grouped_by_its_smallest_size_its_standing_its_class_a
     ]
     state = PlanningPass(snapshot(cluster(), jobs), 5_000.0, config)
     groups = {j.name: admission._quiet_group(state, state.jobs[j.name]) for j in jobs}
-    assert groups == {"fresh": (4, 1, 1, False, 2, 1), "long": (4, 1, 1, True, 2, 1),
-                      "be-old": (1, 1, 2, False, 1, 1), "be-new": (1, 2, 2, False, 1, 1)}
+    assert groups == {"fresh": (4, 1, 1, False, 2, 1, None), "long": (4, 1, 1, True, 2, 1, None),
+                      "be-old": (1, 1, 2, False, 1, 1, None), "be-new": (1, 2, 2, False, 1, 1, None)}
+    # A job that could finish inside a window shorter than min_run_s is in a group by its band
+    short = job("short", tp=2, dp=4, dp_min=2, dp_max=4, submit_s=4_500.0, total_steps=100)
+    assert admission._quiet_group(PlanningPass(snapshot(cluster(), [short]), 5_000.0, config),
+                                  short) == (4, 1, 1, False, 2, 1, 3)  # finishes in 376.5 s: (240, 480]
     assert admission._quiet_groups(state) == {}
     assert admission._quiet_groups(PlanningPass(snapshot(cluster(), jobs), 5_000.0, PlannerConfig())) is None
 
@@ -210,7 +211,7 @@ def test_a_plain_waiters_group_at_any_instant_is_its_standing_and_long_wait_as_s
             edges = [1000.0 + k * ageing_s + d for k in range(4) for d in (-1e-7, 0.0, 1e-7)]
             for now in edges + [rng.uniform(0.0, 40_000.0) for _ in range(200)]:
                 want = (4, effective_rank(j, now, config), PRIORITY_RANK[priority],
-                        priority == "regular" and is_aged(j, now, config), 2, 1)
+                        priority == "regular" and is_aged(j, now, config), 2, 1, None)
                 assert admission._group_at(entry, now, ageing_s) == want, (ageing_s, priority, now)
                 checked += 1
     assert checked == 8 * 212
