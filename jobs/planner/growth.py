@@ -1,7 +1,7 @@
-"""Rule 5, growth: an elastic job grows into GPUs nobody of its class or higher waits for.
+"""Rule 5, growth: an elastic job grows into GPUs no waiting job of its class or higher could start on.
 
 Only after ``resize_hysteresis_s`` since its last resize or start, only when no job of equal
-or higher class held for capacity in this pass could start on the free GPUs it may use
+or higher class still waiting after the queue could start on the free GPUs it may use
 (``PlanningPass.held_could_start``; one that could may still be kept from a pool's window that
 ends in a reclaim, ``harvest.takes_window``, and the job may then grow into such windows, its
 saving counted until the window ends), only to a batch-exact DP (the global batch
