@@ -36,7 +36,14 @@ from jobs.planner.layout import accum_steps, valid_dps
 from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import min_loan_window_s, reclaim_lead_time
 from jobs.planner.snapshot import PRIORITY_RANK, WAITING_PHASES, Gpu, Job
-from jobs.planner.starvation import effective_rank, is_aged, queue_key, queue_order_s, waited_s
+from jobs.planner.starvation import (
+    effective_rank,
+    is_aged,
+    queue_key,
+    queue_order_s,
+    waited_s,
+    waiting_since_s,
+)
 from jobs.planner.topology import spread_of
 from jobs.planner.wording import (
     duration_words,
@@ -323,7 +330,7 @@ def _plain_waiter(job: Job, config: PlannerConfig) -> PlainWaiter | None:
     if job.holdings or job.parked or job.phase not in WAITING_PHASES or job.priority == "critical":
         return None
     sizes = valid_dps(job)
-    since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
+    since = waiting_since_s(job)
     window_s = min_loan_window_s(job, sizes[0], config) if sizes else INFINITY
     finish_s = finish_window_s(job, sizes[0], config) if sizes else INFINITY
     return (sizes[0] * job.tp * job.pp if sizes else None, PRIORITY_RANK[job.priority],
@@ -346,12 +353,12 @@ def finish_bucket(finish_s: float, config: PlannerConfig) -> int | None:
 def _group_at(entry: PlainWaiter, now_s: float, ageing_s: float) -> Group:
     """A plain waiter's group at ``now_s``: its standing is ``starvation.effective_rank`` (its
     class is never critical) and it is a long waiter as ``starvation.is_aged`` says."""
-    need, rank, regular, since, _, tp, pp, short = entry
+    need, rank, regular, since, _, tp, pp, band = entry
     waited = now_s - since
     if waited < 0.0:
         waited = 0.0
     standing = max(1, rank - int(waited // ageing_s)) if ageing_s > 0 else rank
-    return (need, standing, rank, regular and waited >= ageing_s, tp, pp, short)
+    return (need, standing, rank, regular and waited >= ageing_s, tp, pp, band)
 
 
 def _quiet_group(state: PlanningPass, job: Job) -> Group | None:

@@ -124,10 +124,11 @@ class PlanningPass:
                 zone = self.view.zone(g)
                 self.soon_free[zone] = self.soon_free.get(zone, 0) + 1
                 self.soon_free_by.setdefault(zone, []).append(job.name)
-        # The best class held for capacity so far: nobody of that class or lower grows.
+        # The best class held for capacity so far: a job of that class or lower grows only into
+        # GPUs no waiting job could start on, or into windows kept from small borrowers (growth).
         self.capacity_blocked_rank = 99
         # The fewest GPUs a job still waiting after the queue could start with, per class rank
-        # (``held_could_start``), worked out when first asked.
+        # (``waiter_could_start``), worked out when first asked.
         self._waiting_min_gpus: dict[int, int] | None = None
         # How many jobs of each class hold GPUs, kept up to date by ``_emit`` (hold reasons).
         self.holders: dict[str, int] = {}
@@ -284,7 +285,7 @@ class PlanningPass:
             if n <= 0:
                 return
 
-    def held_could_start(self, rank: int, gpus: int) -> bool:
+    def waiter_could_start(self, rank: int, gpus: int) -> bool:
         """Whether a job of class ``rank`` or better that still waits after the queue (not started
         in this pass, not between its reservation's windows) could start on ``gpus`` GPUs at its
         smallest size. Asked by growth, after the queue."""

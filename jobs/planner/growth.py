@@ -2,7 +2,7 @@
 
 Only after ``resize_hysteresis_s`` since its last resize or start, only when no job of equal
 or higher class still waiting after the queue could start on the free GPUs it may use
-(``PlanningPass.held_could_start``; one that could may still be kept from a pool's window that
+(``PlanningPass.waiter_could_start``; one that could may still be kept from a pool's window that
 ends in a reclaim, ``harvest.takes_window``, and the job may then grow into such windows, its
 saving counted until the window ends), only to a batch-exact DP (the global batch
 never changes: accumulation is recomputed, see ``layout``), within its team's borrowing limit
@@ -22,8 +22,8 @@ from jobs.planner.admission import emit_start
 from jobs.planner.decisions import Reason
 from jobs.planner.layout import accum_steps, batch_divides
 from jobs.planner.quota import size_cap
-from jobs.planner.rhythm import predict, reclaim_lead_time, step_time_at
-from jobs.planner.snapshot import PRIORITY_RANK
+from jobs.planner.rhythm import RhythmPrediction, predict, reclaim_lead_time, step_time_at
+from jobs.planner.snapshot import PRIORITY_RANK, Job
 from jobs.planner.topology import choose_gpus, spread_of
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
         free = state._free_total(zones)
         if free < job.tp * job.pp:
             continue
-        windows_only = blocked and state.held_could_start(PRIORITY_RANK[job.priority], free)
+        windows_only = blocked and state.waiter_could_start(PRIORITY_RANK[job.priority], free)
         if windows_only:
             # Others of its class wait and one could start on these GPUs. A window that ends in
             # a reclaim may be kept from them (``harvest.takes_window``): the job may grow into
@@ -93,9 +93,9 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
             loan_end = min((state.pools[z].next_need_s for z in lent), default=INFINITY)
             until = "over the remaining run"
             if blocked and loan_end < INFINITY:
-                # Only until the window's end, when it shrinks back (a lead time before it).
-                window_s = loan_end - state.now - reclaim_lead_time(job, state.config, p)
-                saved_s = min(saved_s, max(0.0, window_s) * (1.0 - new_step / now_step))
+                # Only until the window's end, when it shrinks back.
+                window_s, before_s = saving_before_s(state, job, loan_end, p, new_step / now_step)
+                saved_s = min(saved_s, before_s)
                 until = f"until it gives them back, {window_s:.0f}s from now"
                 if saved_s < state.config.grow_gain_factor * cost_s:
                     continue
@@ -117,6 +117,14 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
                                 **spread_of(after, state.nodes).as_inputs()}),
                         deadline_s=loan_end if loan_end < INFINITY else None)
             break
+
+
+def saving_before_s(state: PlanningPass, job: Job, need_s: float, p: RhythmPrediction,
+                    step_ratio: float) -> tuple[float, float]:
+    """(seconds until ``job`` must give back GPUs a pool needs at ``need_s``, a reclaim's lead time
+    before it; the time its steps save until then at ``step_ratio`` x the step time it has now)."""
+    window_s = need_s - state.now - reclaim_lead_time(job, state.config, p)
+    return window_s, max(0.0, window_s) * (1.0 - step_ratio)
 
 
 def window_zones(state: PlanningPass, zones: dict[str | None, int | None]) -> dict[str | None, int | None]:
@@ -158,8 +166,7 @@ def start_larger(state: PlanningPass) -> None:
             lent = {z for g in new if (z := state.view.zone(g)) is not None}
             loan_end = min((state.pools[z].next_need_s for z in lent if z in state.pools), default=INFINITY)
             if loan_end < INFINITY:
-                window_s = loan_end - state.now - reclaim_lead_time(job, state.config, p)
-                saved_s = max(0.0, window_s) * (1.0 - step_time_at(job, target) / step_time_at(job, d))
+                _, saved_s = saving_before_s(state, job, loan_end, p, step_time_at(job, target) / step_time_at(job, d))
                 if saved_s < state.config.grow_gain_factor * (p.step_s + p.save_s + p.load_s):
                     continue
             replaced.add(i)

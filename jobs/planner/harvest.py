@@ -515,7 +515,7 @@ def open_pools(
         if window > 0 and needed_s is None:
             needed_s = 0.0 if state.kill else window_s()
         fits = window > 0 and needed_s is not None and window >= needed_s
-        if fits and takes is not None and not state.kill and window < INFINITY and not takes(pool, window):
+        if fits and takes is not None and not state.kill and not takes(pool, window):
             fits = False
         n = pool.free_gpus if fits else pool.spare_lendable
         if n > 0:

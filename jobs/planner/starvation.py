@@ -19,10 +19,14 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.snapshot import PRIORITY_RANK, Job
 
 
+def waiting_since_s(job: Job) -> float:
+    """When the job began waiting for GPUs: its last stop, else its submission."""
+    return job.queued_since_s if job.queued_since_s is not None else job.submit_s
+
+
 def waited_s(job: Job, now_s: float) -> float:
     """How long the job has been waiting for GPUs now (0 if it holds some)."""
-    since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
-    return max(0.0, now_s - since)
+    return max(0.0, now_s - waiting_since_s(job))
 
 
 def is_aged(job: Job, now_s: float, config: PlannerConfig) -> bool:
@@ -74,7 +78,7 @@ def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple
     An aged job moves up among the jobs of the class it aged into but stays behind the jobs
     that belong to that class by right when both have the same standing.
     """
-    since = job.queued_since_s if job.queued_since_s is not None else job.submit_s
+    since = waiting_since_s(job)
     return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority],
             queue_order_s(job, since, config), job.name)
 

@@ -34,6 +34,7 @@ from jobs.planner.starvation import (
     queue_order_s,
     requeues_behind,
     waited_s,
+    waiting_since_s,
 )
 from jobs.planner.wording import duration_words, returning_sentence, signal_stop_words
 
@@ -242,8 +243,7 @@ def take_from_victims(
     if state.victim_failed_at.get(key, 1 << 30) <= need:
         return False
     my_rank = PRIORITY_RANK[job.priority]
-    standing = queue_order_s(job, job.queued_since_s if job.queued_since_s is not None else job.submit_s,
-                             state.config)
+    standing = queue_order_s(job, waiting_since_s(job), state.config)
     zone_set = set(zones)
     floors: dict[str, int] = {}
     book = state.teams
