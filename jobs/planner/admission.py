@@ -469,10 +469,10 @@ def _waits_quietly(state: PlanningPass, key: tuple, job: Job, free: float) -> bo
             return True  # held at its team's borrowing limit, whatever is free
     if need <= free:
         return False
-    rank = key[1]  # the queue key's standing: ``admit``'s rank (effective with ageing, else the class)
+    rank = queue_standing(state, key)
     if rank < PRIORITY_RANK["best_effort"] and state.takes_victims:
         aged = job.priority == "regular" and quota.ages(state, job) and is_aged(job, state.now, state.config)
-        if state.victim_failed_at.get((PRIORITY_RANK[job.priority], rank, False, aged), 1 << 30) > need:
+        if state.victim_failed_at.get(quota.failure_key(state, job, rank, False, aged), 1 << 30) > need:
             return False
     state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
     return True
@@ -514,12 +514,21 @@ def blocked_in(state: PlanningPass, zones: dict[str | None, int | None], tp: int
 
 
 def _team_key(state: PlanningPass, job: Job, key: tuple) -> tuple:
-    """``key`` with rule 9's standing: within a class, a team within its quota first, then the
-    least past usage; a borrower does not age (``quota.ages``)."""
+    """``key`` with rule 9's standing: after the tier and critical work, a job its team's quota
+    covers ahead of any borrower whatever their classes; within a class the least past usage
+    first; a borrower does not age (``quota.ages``). The standing ``admit`` reads stays third
+    (``queue_standing``)."""
     standing = quota.queue_rank(state, job)
     if standing[0]:
         key = (key[0], key[2]) + key[2:]
-    return key[:3] + standing + key[3:]
+    first = 0 if job.priority == "critical" else 1 + standing[0]
+    return (key[0], first) + key[1:3] + standing + key[3:]
+
+
+def queue_standing(state: PlanningPass, key: tuple) -> int:
+    """The standing in a queue key (``queue_key``, ``_team_key``): ``admit``'s rank, effective
+    with ageing, else the class."""
+    return key[2] if state.teams else key[1]
 
 
 def admit(state: PlanningPass, job: Job) -> None:
@@ -556,7 +565,7 @@ def admit(state: PlanningPass, job: Job) -> None:
             blocked, groups = blocked_in(state, state._zones_for(job, dps[-1]), job.tp, job.pp, dps[-1])
         if blocked and not state._entitled_now(job):
             aged = ages and job.priority == "regular" and is_aged(job, state.now, state.config)
-            key = (PRIORITY_RANK[job.priority], rank, False, aged)
+            key = quota.failure_key(state, job, rank, False, aged)
             if not reclaims and (rank >= PRIORITY_RANK["best_effort"]
                                  or state.victim_failed_at.get(key, 1 << 30) <= dps[-1] * rep):
                 hold_queue_full(state, job, preferred, rep, groups * job.tp, rank, zoned=not cheap)
@@ -581,7 +590,7 @@ def admit(state: PlanningPass, job: Job) -> None:
         if (state._free_total(zones_min) < smallest_need
                 and not any(state.soon_free.get(z, 0) for z in zones_min)):
             aged = ages and job.priority == "regular" and is_aged(job, state.now, state.config)
-            key = (PRIORITY_RANK[job.priority], rank, False, aged)
+            key = quota.failure_key(state, job, rank, False, aged)
             if not reclaims and (rank >= PRIORITY_RANK["best_effort"]
                                  or state.victim_failed_at.get(key, 1 << 30) <= smallest_need):
                 hold_for_capacity(state, job, preferred, rep,

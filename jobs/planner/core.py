@@ -149,7 +149,7 @@ class PlanningPass:
         self._bound_cache: dict[tuple, int] = {}
         self._pools_bound_cache: dict[tuple, tuple[int, dict[str, tuple[int, int]]]] = {}
         self._zones_cache: dict[tuple[str, int], dict[str | None, int | None]] = {}
-        self.victim_failed_at: dict[tuple[int, int, bool, bool], int] = {}
+        self.victim_failed_at: dict[tuple, int] = {}  # ``quota.failure_key`` -> smallest size that failed
         #: Waiting jobs of teams, (class rank, team, smallest GPUs, name) in class order (rule 9).
         self.quota_waiters: list[tuple[int, str, int, str]] = []
 

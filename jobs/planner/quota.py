@@ -6,10 +6,15 @@ parent (an organisation) whose quota and limit its jobs count against too. A tea
 than its quota is *borrowing*; what it borrows is idle capacity of the others and is given back
 when a team below its quota has waiting work:
 
-- **Order.** Within a priority class (and after entitled, recovering and critical work), a job
-  whose team stays within its quota by starting comes first; among the rest, the team with the
+- **Order.** After entitled, recovering and critical work, a job whose team stays within its
+  quota by starting comes first, whatever its class: a team's quota is its guarantee for all of
+  its work (as a Kueue ClusterQueue's nominal quota is), so its best-effort job goes ahead of
+  another team's regular job that could only borrow. Then, within a class, the team with the
   least past usage per weight (``usage_gpu_s / weight``, decayed with
   ``fair_share_half_life_s``) first. So idle GPUs go to the team that has had least of late.
+- **Guarded.** A regular job takes GPUs from another team's best-effort job (rule 4) only from
+  what that team holds beyond its quota (``guarded``), never more: what a team's quota covers
+  is not another team's to take. Critical work stands above quotas and may take them.
 - **Limit.** A job starts or grows only to what its team (and every ancestor) may still use:
   quota + borrowing limit - what it holds. Beyond that it waits, saying so.
 - **Reclaim.** A waiting job whose team is below its quota, and stays within it at the size it
@@ -229,8 +234,9 @@ class TeamBook:
 
 
 def queue_rank(state: PlanningPass, job: Job) -> tuple[int, float]:
-    """Where a waiting job stands among its class: (0 when its team stays within its quota by
-    starting at its smallest size, else 1; then, among borrowers, its team's fair share).
+    """Where a waiting job stands: (0 when its team stays within its quota by starting at its
+    smallest size, else 1; then, among borrowers, its team's fair share). The first goes ahead of
+    the class (``admission._team_key``), the second within it.
 
     Within their quotas jobs keep the order of their wait (and of rule 8's ageing): each team's
     guarantee is its own, so fair share has nothing to arbitrate there. Ordered by fair share,
@@ -243,6 +249,23 @@ def queue_rank(state: PlanningPass, job: Job) -> tuple[int, float]:
     if covered(book, job):
         return (0, 0.0)
     return (1, book.fair_share(job.team))
+
+
+def guarded(book: TeamBook, requester: Job, victim: Job) -> bool:
+    """Whether rule 4 may not take GPUs from ``victim`` (of a lower class) for ``requester`` (not
+    critical: critical work stands above quotas): they are of different teams and the victim's team holds nothing beyond its quota that the
+    requester's team may take back (``TeamBook.reclaimable``). Without this a team's best-effort
+    job, started within its quota ahead of another team's borrowing regular job, was stopped by
+    it at the next pass: on the Philly week with teams, 2,518 such stops."""
+    return victim.team != requester.team and book.reclaimable(victim, requester.team) <= 0
+
+
+def failure_key(state: PlanningPass, job: Job, rank: int, forced: bool, aged: bool) -> tuple:
+    """What ``PlanningPass.victim_failed_at`` remembers a failed victim search under: the job's
+    class, standing, whether it was forced and aged, and with teams its team (what rule 4 may
+    take for it depends on its team, ``guarded``)."""
+    key = (PRIORITY_RANK[job.priority], rank, forced, aged)
+    return key + (job.team,) if state.teams and not forced else key
 
 
 def covered(book: TeamBook, job: Job) -> bool:

@@ -24,7 +24,7 @@ from jobs.planner.config import PlannerConfig
 from jobs.planner.decisions import Reason
 from jobs.planner.kept import KeptById
 from jobs.planner.layout import accum_steps, batch_divides, replicas_of
-from jobs.planner.quota import ages, reclaim_candidates, reclaim_words
+from jobs.planner.quota import ages, failure_key, guarded, reclaim_candidates, reclaim_words
 from jobs.planner.rhythm import predict, stop_time_s
 from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job, holding_gpus
 from jobs.planner.starvation import (
@@ -236,7 +236,7 @@ def take_from_victims(
     aged = job.priority == "regular" and is_aged(job, state.now, state.config) and ages(state, job)
     if rank >= PRIORITY_RANK["best_effort"] and not forced and not quota:
         return False
-    key: tuple = (PRIORITY_RANK[job.priority], rank, forced, aged)
+    key: tuple = failure_key(state, job, rank, forced, aged)
     if quota:
         key = ("quota", job.team, PRIORITY_RANK[job.priority])
     need = dp * job.tp * job.pp
@@ -257,7 +257,7 @@ def take_from_victims(
             if other.name == job.name or other.name in state.acted or zone_set.isdisjoint(entry.zones):
                 continue
             if entry.rank > my_rank:
-                if not forced and entry.protected:
+                if not forced and (entry.protected or (book and my_rank > 0 and guarded(book, job, other))):
                     continue
             elif entry.rank == my_rank:
                 # Same class: only replicas grown beyond the preferred size (cheap to give
@@ -354,6 +354,20 @@ def take_from_victims(
             # given back to that pool and leave its excess as it was (``quota.charged_gpus``).
             taken = sum(book.charge(o.job, o.freed) for o in chosen if book.related(o.job.team, opt.job.team)
                         or (o.job.team is None and opt.job.team is None))
+            return book.charge(opt.job, opt.freed) + taken <= book.reclaimable(opt.job, job.team)
+
+    elif book and not forced and my_rank > 0:
+
+        def across(opt: VictimOption) -> bool:
+            return opt.job.team != job.team and PRIORITY_RANK[opt.job.priority] > my_rank
+
+        def allow(opt: VictimOption, chosen: list[VictimOption]) -> bool:
+            # Rule 9: from another team's lower-class work, no more than it holds beyond its
+            # quota (``quota.guarded``), counted as the quota reclaim counts it.
+            if not across(opt):
+                return True
+            taken = sum(book.charge(o.job, o.freed) for o in chosen if across(o) and (
+                book.related(o.job.team, opt.job.team) or (o.job.team is None and opt.job.team is None)))
             return book.charge(opt.job, opt.freed) + taken <= book.reclaimable(opt.job, job.team)
 
     options = choose_victims(quota_candidates() if quota else candidates(), fits, state.config,

@@ -1,4 +1,5 @@
-"""Rule 9, teams (jobs/planner/quota.py): a unit test per rule. Order within a class, the
+"""Rule 9, teams (jobs/planner/quota.py): a unit test per rule. Order (work within a quota first,
+whatever its class; fair share within a class), the guard on lower-class work within a quota, the
 borrowing limit, reclaiming what other teams borrowed (checkpoint first, within each team's
 excess, never a recent start), fair share among borrowers, team reservations, and the words."""
 
@@ -43,6 +44,48 @@ def test_a_team_within_its_quota_is_served_before_a_borrower_of_the_same_class()
     hold = acts(result, "hold")["v-more"]
     assert "team vision uses 16 of its 16 guaranteed GPUs and may borrow any idle GPU beyond them; none are idle" \
         in hold.reason.text
+
+
+def test_a_teams_best_effort_job_within_its_quota_goes_ahead_of_another_teams_borrowing_regular_job():
+    # vision holds its 16 and wants 8 more for a regular job: it could only borrow. speech holds
+    # nothing of its 8 and has a best-effort job waiting. The one free node goes to speech's job:
+    # a quota covers all of its team's work, whatever the class (as a Kueue ClusterQueue's does).
+    teams = [Team("vision", quota_gpus=16), Team("speech", quota_gpus=8)]
+    running = job("v-run", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision")
+    filler = job("filler", tp=8, dp=1, gpus=gpus_on("r0s0n3"), run_started_s=9_000.0, min_run_s=7200.0)
+    borrower = job("v-more", tp=8, dp=1, team="vision", submit_s=0.0)
+    owed = job("s-be", "best_effort", tp=8, dp=1, team="speech", submit_s=500.0)
+    result = plan(snap([running, filler, borrower, owed], teams), 10_000.0)
+    assert set(acts(result, "place")) == {"s-be"}
+    assert acts(result, "hold")["v-more"].reason.inputs["cause"] == "capacity"
+    # Without its quota speech's job is a borrower like any: the regular job goes first.
+    alone = plan(snap([running, filler, borrower, owed], [teams[0], Team("speech", quota_gpus=0)]), 10_000.0)
+    assert set(acts(alone, "place")) == {"v-more"}
+
+
+def test_a_higher_class_takes_from_another_teams_lower_class_only_what_it_borrowed():
+    # speech runs two best-effort jobs, 8 GPUs within its quota of 8 and 8 beyond it; vision's
+    # regular job (vision below its quota of 24: 16 held) needs 8. Rule 4 may take a lower class's
+    # GPUs, but of another team only what it holds beyond its quota: one job of the two, not both.
+    teams = [Team("vision", quota_gpus=24), Team("speech", quota_gpus=8)]
+    v_run = job("v-run", tp=8, dp=2, gpus=gpus_on("r0s0n0", "r0s0n1"), team="vision")
+    be = [job(f"s-be{i}", "best_effort", tp=8, dp=1, gpus=gpus_on(ALL[2 + i]), team="speech",
+              run_started_s=0.0, min_run_s=0.0) for i in range(2)]
+    wants = job("v-new", tp=8, dp=2, team="vision", submit_s=9_000.0)
+    result = plan(snap([v_run, *be, wants], teams), 10_000.0)
+    assert not acts(result, "preempt")  # 16 wanted, 8 may be taken: it waits, stopping no one
+    one = job("v-one", tp=8, dp=1, team="vision", submit_s=9_000.0)
+    result = plan(snap([v_run, *be, one], teams), 10_000.0)
+    assert len(acts(result, "preempt")) + len(acts(result, "reclaim")) == 1
+    # speech within its quota (one job): its job is not vision's to take, whatever the class.
+    result = plan(snap([v_run, be[0], job("f", tp=8, gpus=gpus_on(ALL[3]), run_started_s=9_500.0,
+                                          min_run_s=7200.0), one], teams), 10_000.0)
+    assert "s-be0" not in acts(result, "preempt") and "s-be0" not in acts(result, "shrink")
+    # Critical work stands above quotas: a critical job of vision may take it.
+    crit = job("v-crit", "critical", tp=8, dp=1, team="vision", submit_s=9_000.0)
+    result = plan(snap([v_run, be[0], job("f", tp=8, gpus=gpus_on(ALL[3]), run_started_s=9_500.0,
+                                          min_run_s=7200.0), crit], teams), 10_000.0)
+    assert "s-be0" in acts(result, "preempt")
 
 
 def test_among_borrowers_the_team_with_least_past_usage_per_weight_gets_idle_gpus_first():
