@@ -253,10 +253,11 @@ def queue_rank(state: PlanningPass, job: Job) -> tuple[int, float]:
 
 def guarded(book: TeamBook, requester: Job, victim: Job) -> bool:
     """Whether rule 4 may not take GPUs from ``victim`` (of a lower class) for ``requester`` (not
-    critical: critical work stands above quotas): they are of different teams and the victim's team holds nothing beyond its quota that the
-    requester's team may take back (``TeamBook.reclaimable``). Without this a team's best-effort
-    job, started within its quota ahead of another team's borrowing regular job, was stopped by
-    it at the next pass: on the Philly week with teams, 2,518 such stops."""
+    critical: critical work stands above quotas): they are of different teams and the victim's
+    team holds nothing beyond its quota that the requester's team may take back
+    (``TeamBook.reclaimable``). Without this a team's best-effort job, started within its quota
+    ahead of another team's borrowing regular job, was stopped by it at the next pass: on the
+    Philly week with teams, 2,518 such stops."""
     return victim.team != requester.team and book.reclaimable(victim, requester.team) <= 0
 
 

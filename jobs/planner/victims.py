@@ -340,6 +340,14 @@ def take_from_victims(
     def fits(freed: list[Gpu]) -> bool:
         return fits_split([], freed)
 
+    def within_excess(opt: VictimOption, chosen: Iterable[VictimOption]) -> bool:
+        # Never more from a team than it holds beyond its quota (nor beyond a parent's),
+        # counted as its quota counts them: GPUs another team's reservation lent it are
+        # given back to that pool and leave its excess as it was (``quota.charged_gpus``).
+        taken = sum(book.charge(o.job, o.freed) for o in chosen if book.related(o.job.team, opt.job.team)
+                    or (o.job.team is None and opt.job.team is None))
+        return book.charge(opt.job, opt.freed) + taken <= book.reclaimable(opt.job, job.team)
+
     allow = None
     if quota:
 
@@ -348,14 +356,7 @@ def take_from_victims(
                 if not zone_set.isdisjoint(entry.zones):
                     yield entry.job
 
-        def allow(opt: VictimOption, chosen: list[VictimOption]) -> bool:
-            # Never more from a team than it holds beyond its quota (nor beyond a parent's),
-            # counted as its quota counts them: GPUs another team's reservation lent it are
-            # given back to that pool and leave its excess as it was (``quota.charged_gpus``).
-            taken = sum(book.charge(o.job, o.freed) for o in chosen if book.related(o.job.team, opt.job.team)
-                        or (o.job.team is None and opt.job.team is None))
-            return book.charge(opt.job, opt.freed) + taken <= book.reclaimable(opt.job, job.team)
-
+        allow = within_excess
     elif book and not forced and my_rank > 0:
 
         def across(opt: VictimOption) -> bool:
@@ -363,12 +364,8 @@ def take_from_victims(
 
         def allow(opt: VictimOption, chosen: list[VictimOption]) -> bool:
             # Rule 9: from another team's lower-class work, no more than it holds beyond its
-            # quota (``quota.guarded``), counted as the quota reclaim counts it.
-            if not across(opt):
-                return True
-            taken = sum(book.charge(o.job, o.freed) for o in chosen if across(o) and (
-                book.related(o.job.team, opt.job.team) or (o.job.team is None and opt.job.team is None)))
-            return book.charge(opt.job, opt.freed) + taken <= book.reclaimable(opt.job, job.team)
+            # quota (``quota.guarded``).
+            return not across(opt) or within_excess(opt, (o for o in chosen if across(o)))
 
     options = choose_victims(quota_candidates() if quota else candidates(), fits, state.config,
                              floor_dp=lambda j: floors.get(j.name), fits_split=fits_split, now_s=state.now,
