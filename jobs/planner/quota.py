@@ -264,7 +264,8 @@ def guarded(book: TeamBook, requester: Job, victim: Job) -> bool:
 def failure_key(state: PlanningPass, job: Job, rank: int, forced: bool, aged: bool) -> tuple:
     """What ``PlanningPass.victim_failed_at`` remembers a failed victim search under: the job's
     class, standing, whether it was forced and aged, and with teams its team (what rule 4 may
-    take for it depends on its team, ``guarded``)."""
+    take for it depends on its team: ``guarded``, and a long waiter takes nothing from a team
+    within its quota)."""
     key = (PRIORITY_RANK[job.priority], rank, forced, aged)
     return key + (job.team,) if state.teams and not forced else key
 

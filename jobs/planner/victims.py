@@ -247,6 +247,9 @@ def take_from_victims(
     zone_set = set(zones)
     floors: dict[str, int] = {}
     book = state.teams
+    # Rule 9: another team's lower-class work within its quota is not this job's to take
+    # (``quota.guarded``); critical work stands above quotas.
+    guards = bool(book) and not forced and my_rank > 0
 
     def candidates() -> Iterator[Job]:
         # victim_pool() is in victim order (lower class, elastic, cheapest first), so the
@@ -257,7 +260,7 @@ def take_from_victims(
             if other.name == job.name or other.name in state.acted or zone_set.isdisjoint(entry.zones):
                 continue
             if entry.rank > my_rank:
-                if not forced and (entry.protected or (book and my_rank > 0 and guarded(book, job, other))):
+                if not forced and (entry.protected or (guards and guarded(book, job, other))):
                     continue
             elif entry.rank == my_rank:
                 # Same class: only replicas grown beyond the preferred size (cheap to give
@@ -357,7 +360,7 @@ def take_from_victims(
                     yield entry.job
 
         allow = within_excess
-    elif book and not forced and my_rank > 0:
+    elif guards:
 
         def across(opt: VictimOption) -> bool:
             return opt.job.team != job.team and PRIORITY_RANK[opt.job.priority] > my_rank
