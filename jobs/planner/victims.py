@@ -149,6 +149,7 @@ def choose_victims(
     ``victim_sort_key``; it may be a lazy iterator (it is consumed only as far as needed). For each candidate in turn the smallest option that completes the
     need is taken; otherwise its largest shrink (or its preemption if it cannot shrink).
     ``allow(option, chosen)``, when given, vetoes options (a team's GPUs beyond its quota only).
+    An option the others complete the need without is then dropped (``_pruned``).
 
     With ``stop_if_short``, a search that fails on shrinks alone is run once more taking each
     candidate's largest option (its preemption) where none completes the need: shrinks that
@@ -161,7 +162,19 @@ def choose_victims(
     if found is None and stop_if_short:
         found = _greedy_victims(iter(seen), fits, config, floor_dp, drop_first, fits_split, now_s, allow,
                                 prefer_shrink=False)
-    return found
+    return _pruned(found, fits) if found is not None and len(found) > 1 else found
+
+
+def _pruned(chosen: list[VictimOption], fits: Callable[[list[Gpu]], bool]) -> list[VictimOption]:
+    """``chosen`` without the options the rest fit without, earliest first: the greedy search
+    takes each candidate's largest option until one completes the need, and the last one taken
+    (often the largest) can make an earlier one needless."""
+    kept = list(chosen)
+    for opt in chosen[:-1]:
+        rest = [o for o in kept if o is not opt]
+        if fits([g for o in rest for g in o.freed]):
+            kept = rest
+    return kept
 
 
 def _recording(candidates: Iterable[Job], into: list[Job]) -> Iterator[Job]:

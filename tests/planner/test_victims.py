@@ -81,3 +81,24 @@ def test_choose_victims_returns_none_when_nothing_suffices() -> None:
     picked = choose_victims([be], lambda freed: len(freed) >= 8, config)
     assert picked is not None and picked[0].job.name == "be"
     assert victim_sort_key(be, config)[0] == -2
+
+
+def test_a_victim_the_rest_of_the_choice_frees_enough_without_is_not_stopped() -> None:
+    # The cheapest victim alone is too small, so the search goes on to a larger one that
+    # alone frees enough: stopping the first as well would be a save and a restart for nothing.
+    small = job("be-small", "best_effort", gpus=gpus_on("r0s0n0"), dp=1)
+    big = job("be-big", "best_effort", gpus=gpus_on("r0s0n1", "r0s0n2"), dp=2)
+    config = PlannerConfig()
+    assert victim_sort_key(small, config) < victim_sort_key(big, config)
+    picked = choose_victims([small, big], lambda freed: len(freed) >= 16, config)
+    assert picked is not None and [o.job.name for o in picked] == ["be-big"]
+    snap = snapshot(NODES, [small, big, job("crit-held", "critical", gpus=gpus_on("r0s0n3"), dp=1),
+                            job("crit", "critical", dp=2)])
+    assert _preempted(plan(snap, 100.0)) == ["be-big"]
+
+
+def test_victims_that_are_each_needed_are_all_kept() -> None:
+    a = job("be-a", "best_effort", gpus=gpus_on("r0s0n0"), dp=1)
+    b = job("be-b", "best_effort", gpus=gpus_on("r0s0n1"), dp=1)
+    picked = choose_victims([a, b], lambda freed: len(freed) >= 16, PlannerConfig())
+    assert picked is not None and [o.job.name for o in picked] == ["be-a", "be-b"]
