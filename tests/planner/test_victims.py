@@ -102,3 +102,12 @@ def test_victims_that_are_each_needed_are_all_kept() -> None:
     b = job("be-b", "best_effort", gpus=gpus_on("r0s0n1"), dp=1)
     picked = choose_victims([a, b], lambda freed: len(freed) >= 16, PlannerConfig())
     assert picked is not None and [o.job.name for o in picked] == ["be-a", "be-b"]
+
+
+def test_an_earlier_victim_is_dropped_when_the_later_ones_free_enough_together() -> None:
+    # Neither the last victim alone nor the first two suffice; the last two together do.
+    a = job("be-a", "best_effort", gpus=gpus_on("r0s0n0"), dp=1)
+    b = job("be-b", "best_effort", gpus=gpus_on("r0s0n1"), dp=1)
+    c = job("be-c", "best_effort", gpus=gpus_on("r0s0n2", "r0s0n3"), dp=2)
+    picked = choose_victims([a, b, c], lambda freed: len(freed) >= 24, PlannerConfig())
+    assert picked is not None and [o.job.name for o in picked] == ["be-b", "be-c"]
