@@ -138,7 +138,6 @@ def choose_victims(
     now_s: float | None = None,
     allow: Callable[[VictimOption, list[VictimOption]], bool] | None = None,
     stop_if_short: bool = False,
-    enough: Callable[[int], bool] | None = None,
 ) -> list[VictimOption] | None:
     """The cheapest set of victim options after which ``fits(freed)`` holds, or None.
 
@@ -150,8 +149,7 @@ def choose_victims(
     ``victim_sort_key``; it may be a lazy iterator (it is consumed only as far as needed). For each candidate in turn the smallest option that completes the
     need is taken; otherwise its largest shrink (or its preemption if it cannot shrink).
     ``allow(option, chosen)``, when given, vetoes options (a team's GPUs beyond its quota only).
-    An option the others complete the need without is then dropped (``_pruned``); ``enough(n)``,
-    when given, says cheaply whether ``n`` freed GPUs could be enough by their number alone.
+    An option the others complete the need without is then dropped (``_pruned``).
 
     With ``stop_if_short``, a search that fails on shrinks alone is run once more taking each
     candidate's largest option (its preemption) where none completes the need: shrinks that
@@ -164,36 +162,30 @@ def choose_victims(
     if found is None and stop_if_short:
         found = _greedy_victims(iter(seen), fits, config, floor_dp, drop_first, fits_split, now_s, allow,
                                 prefer_shrink=False)
-    return _pruned(found, fits, enough) if found is not None and len(found) > 1 else found
-
-
-def _pruned(chosen: list[VictimOption], fits: Callable[[list[Gpu]], bool],
-            enough: Callable[[int], bool] | None) -> list[VictimOption]:
-    """``chosen`` without the options the rest fit without, earliest first: the greedy search
-    takes each candidate's largest option until one completes the need, and the last one taken
-    (often the largest) can make an earlier one needless. The last alone is tried first; the
-    others one by one only in a short choice (``PRUNE_TRIES``): in a long one of small victims
-    each is needed, and every try is a fit test over all their GPUs. ``enough`` spares the test
-    where the rest are too few by number."""
-    last = chosen[-1]
-    if (enough is None or enough(len(last.freed))) and fits(list(last.freed)):
-        return [last]
-    if len(chosen) > PRUNE_TRIES:
-        return chosen
-    kept = list(chosen)
-    total = sum(len(o.freed) for o in kept)
-    for opt in chosen[:-1]:
-        if enough is not None and not enough(total - len(opt.freed)):
-            continue
-        rest = [o for o in kept if o is not opt]
-        if fits([g for o in rest for g in o.freed]):
-            kept = rest
-            total -= len(opt.freed)
-    return kept
+    return _pruned(found, fits) if found is not None and len(found) > 1 else found
 
 
 #: The longest victim choice ``_pruned`` tries to drop each option of.
 PRUNE_TRIES = 4
+
+
+def _pruned(chosen: list[VictimOption], fits: Callable[[list[Gpu]], bool]) -> list[VictimOption]:
+    """``chosen`` without the options the rest fit without, earliest first: the greedy search
+    takes each candidate's largest option until one completes the need, and the last one taken
+    (often the largest) can make an earlier one needless. The last alone is tried first; the
+    others one by one only in a short choice (``PRUNE_TRIES``): in a long one of small victims
+    each is needed, and every try is a fit test over all their GPUs."""
+    last = chosen[-1]
+    if fits(list(last.freed)):
+        return [last]
+    if len(chosen) > PRUNE_TRIES:
+        return chosen
+    kept = list(chosen)
+    for opt in chosen[:-1]:
+        rest = [o for o in kept if o is not opt]
+        if fits([g for o in rest for g in o.freed]):
+            kept = rest
+    return kept
 
 
 def _recording(candidates: Iterable[Job], into: list[Job]) -> Iterator[Job]:
@@ -404,7 +396,7 @@ def take_from_victims(
 
     options = choose_victims(quota_candidates() if quota else candidates(), fits, state.config,
                              floor_dp=lambda j: floors.get(j.name), fits_split=fits_split, now_s=state.now,
-                             allow=allow, stop_if_short=quota, enough=lambda n: free_now + n >= need)
+                             allow=allow, stop_if_short=quota)
     if options is None:
         state.victim_failed_at[key] = min(need, state.victim_failed_at.get(key, 1 << 30))
         return False
