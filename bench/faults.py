@@ -55,6 +55,9 @@ SUPERVISOR_DELAY_S = 0.5           # systemd's RestartSec
 # A fault is survived once every check holds for this long without a break: a kill's effects
 # (a rank's exit report, a missed heartbeat) take a few seconds to show.
 QUIET_S = 4.0
+# How long a kill9_rank waits for a rank under a real agent before it changes places with a later
+# fault (and, as the last faults, falls back to kill9_agent): every kind is injected at least once.
+RANK_WAIT_S = 20.0
 STALL_S = 25.0                     # a running job whose steps stop for this long is not running
 ACTIVE_STATES = ("running", "checkpointing", "resizing")
 APPLIED = re.compile(r"applying command (\S+) on")
@@ -567,6 +570,13 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
         churn_n = 0
         for i, kind in enumerate(schedule, 1):
             churn_n += _churn(rng, boss, churn_n)
+            if kind == "kill9_rank" and not _wait_for_rank(stack, RANK_WAIT_S):
+                later = next((j for j in range(i, len(schedule)) if schedule[j] != "kill9_rank"), None)
+                if later is not None:  # no rank under a real agent now: that fault later, a later one now
+                    log(f"[{i}/{faults}] no rank alive after {RANK_WAIT_S:.0f}s: kill9_rank swapped with "
+                        f"fault {later + 1} ({schedule[later]})")
+                    schedule[i - 1], schedule[later] = schedule[later], kind
+                    kind = schedule[i - 1]
             events_before = ElasticEvent.objects.order_by("-id").values_list("id", flat=True).first() or 0
             kind, target = _inject(kind, rng, stack, proxy, pg, workdir, connections)
             by_kind[kind]["injected"] += 1
@@ -724,16 +734,33 @@ def _planner_lock_held() -> bool:
         return cursor.fetchone()[0] > 0
 
 
+def _live_ranks(table: dict[int, tuple[int, dict[str, str]]], stack: Stack) -> list[tuple[str, int]]:
+    """(node, pid) of every training process under a real agent: the leaves tagged with a job."""
+    ranks = []
+    for node in REAL_NODES:
+        pids = _descendants(table, stack.pid(f"agent-{node}"))
+        parents = {table[p][0] for p in pids if p in table}
+        ranks += [(node, p) for p in pids if p in table and table[p][1].get("OMNI_JOB") and p not in parents]
+    return ranks
+
+
+def _wait_for_rank(stack: Stack, timeout_s: float) -> bool:
+    """Whether a rank is alive under a real agent within ``timeout_s``: the planner may have every
+    job on the simulated nodes for a while (a reclaim, a restart's back-off)."""
+    deadline = time.monotonic() + timeout_s
+    while not _live_ranks(_process_table(), stack):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def _inject(kind: str, rng: random.Random, stack: Stack, proxy: CuttingProxy, pg: PrivatePostgres, workdir: Path,
             connections) -> tuple[str, str]:
     """Do one fault and the supervisor's restart; return (the kind done, what it hit)."""
     if kind == "kill9_rank":
         table = _process_table()
-        ranks = []
-        for node in REAL_NODES:
-            pids = _descendants(table, stack.pid(f"agent-{node}"))
-            parents = {table[p][0] for p in pids if p in table}
-            ranks += [(node, p) for p in pids if p in table and table[p][1].get("OMNI_JOB") and p not in parents]
+        ranks = _live_ranks(table, stack)
         if ranks:
             node, pid = rng.choice(ranks)
             job = table[pid][1]["OMNI_JOB"]
