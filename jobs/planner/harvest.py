@@ -541,9 +541,15 @@ def loan_notes(state: PlanningPass, job: Job, dp: int, lent: list[str]) -> list[
             notes.append(f"they are spares of '{z}' beyond what its next window needs")
         else:
             notes.append(f"{pool_label(z)} needs them in {window_s:.0f}s and this job needs a window "
-                         f"of {needed_s:.0f}s (start-up, load, {state.config.min_loan_steps} "
-                         f"steps, save)")
+                         f"of {needed_s:.0f}s (start-up, load, {loan_steps_words(job, state.config)}, save)")
     return notes
+
+
+def loan_steps_words(job: Job, config: PlannerConfig) -> str:
+    """The steps a loan's window must fit (``rhythm.min_loan_window_s``): ``20 steps``, or ``the 3
+    steps it has left``."""
+    steps = min(config.min_loan_steps, job.remaining_steps)
+    return plural(steps, "step") if steps == config.min_loan_steps else f"the {plural(steps, 'step')} it has left"
 
 
 def refused_loan_notes(state: PlanningPass, job: Job) -> list[str]:
@@ -575,6 +581,6 @@ def refused_loan_notes(state: PlanningPass, job: Job) -> list[str]:
             continue
         notes.append(
             f"{refused}: they are needed again in {duration_words(max(window_s, 0.0))}, sooner than this job "
-            f"could start, load, run {state.config.min_loan_steps} steps and save ({duration_words(needed_s)})"
+            f"could start, load, run {loan_steps_words(job, state.config)} and save ({duration_words(needed_s)})"
         )
     return notes

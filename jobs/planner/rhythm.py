@@ -176,8 +176,10 @@ def lead_words(job: Job, config: PlannerConfig, prediction: RhythmPrediction | N
 def min_loan_window_s(job: Job, dp: int, config: PlannerConfig) -> float:
     """The shortest window worth lending into for ``job`` at ``dp`` replicas.
 
-    Start-up + checkpoint load + ``min_loan_steps`` predicted steps + the reclaim lead time.
+    Start-up + checkpoint load + ``min_loan_steps`` predicted steps + the reclaim lead time; a job
+    with fewer steps left needs only those (it finishes in the window: ``harvest.finish_window_s``).
     """
     p = predict(job, config)
     step = step_time_at(job, dp) * config.safety_factor
-    return config.startup_s + p.load_s + config.min_loan_steps * step + reclaim_lead_time(job, config, p)
+    steps = min(config.min_loan_steps, max(0, job.remaining_steps))
+    return config.startup_s + p.load_s + steps * step + reclaim_lead_time(job, config, p)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jobs.planner import PlannerConfig, Reservation, plan
-from jobs.planner.rhythm import reclaim_lead_time, stop_time_s
+from jobs.planner.harvest import finish_window_s
+from jobs.planner.rhythm import min_loan_window_s, reclaim_lead_time, stop_time_s
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
 POOL = ("r0s1n0", "r0s1n1", "r0s1n2", "r0s1n3")
@@ -32,6 +33,26 @@ def test_no_loan_into_a_window_too_short_to_be_worth_it() -> None:
     (hold,) = result.by_kind("hold")
     assert hold.job == "sft"
     assert "cannot be lent to it: they are needed again in 1 min, sooner than this job could start" in hold.reason.text
+
+
+def test_a_job_with_fewer_steps_left_than_a_loan_asks_for_borrows_a_window_it_finishes_in() -> None:
+    # A loan asks for a window fitting start-up, load, min_loan_steps (20) steps and the reclaim's
+    # lead time; a job with 3 steps left needs only those 3: it finishes in the window, no stop.
+    busy = job("busy", gpus=GENERAL, dp=4)
+    short, long_ = job("short", dp=2, total_steps=3, step_s=30.0), job("long", dp=2, total_steps=1000, step_s=30.0)
+    config = PlannerConfig()
+    finish_s = finish_window_s(short, 2, config)
+    assert finish_s < min_loan_window_s(long_, 2, config)
+    now = 7200.0 - finish_s - 5.0
+
+    (lend,) = plan(snapshot(cluster(), [busy, short], (RES,)), now).by_kind("lend")
+    assert lend.job == "short" and lend.borrowed_from == ("vlm-window",)
+    assert "(start-up, load, the 3 steps it has left, save)" in lend.reason.text
+    assert not plan(snapshot(cluster(), [busy, long_], (RES,)), now).by_kind("lend")
+    late = plan(snapshot(cluster(), [busy, short], (RES,)), 7200.0 - finish_s + 30.0)
+    assert not late.by_kind("lend")
+    assert "sooner than this job could start, load, run the 3 steps it has left and save" in \
+        late.by_kind("hold")[0].reason.text
 
 
 def test_reclaim_starts_one_lead_time_before_the_entitlement() -> None:
