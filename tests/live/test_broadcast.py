@@ -19,6 +19,7 @@ from django.utils import timezone
 from jobs import actions, live, live_data, live_events
 from jobs.audit import record_event
 from jobs.models import EventKind, PlannerControl
+from tests.layer import receive
 
 
 @pytest.fixture
@@ -153,7 +154,7 @@ def test_one_channel_layer_message_per_group_and_flush():
         live.send("cluster", "node", {"id": 1})
         live.send("cluster", "node", {"id": 2})
     assert live.wait_sent()
-    message = async_to_sync(layer.receive)(channel)
+    message = receive(layer, channel)
     assert message == {"type": "live.batch", "messages": [{"event": "node", "payload": {"id": 1}},
                                                           {"event": "node", "payload": {"id": 2}}]}
 

@@ -16,6 +16,7 @@ from jobs import actions, live
 from jobs.live import job_group, node_group
 from telemetry.ingest import BatchRejected, accept_sequence, ingest_gpu_batch, ingest_step_batch
 from telemetry.models import GpuSample, StepRecord, TelemetrySource
+from tests.layer import receive
 from tests.telemetry.conftest import gpu_batch
 
 pytestmark = pytest.mark.django_db
@@ -168,13 +169,13 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     with django_capture_on_commit_callbacks(execute=True):
         ingest_gpu_batch(node, gpu_batch(seq=0, samples=8))
     assert live.wait_sent()
-    (message,) = async_to_sync(layer.receive)(node_channel)["messages"]
+    (message,) = receive(layer, node_channel)["messages"]
     assert message["event"] == "gpu_samples"
     assert message["payload"]["node"] == node.pk
     assert sorted(p["gpu"] for p in message["payload"]["points"]) == list(range(8))
     assert set(message["payload"]["points"][0]) == {"gpu", "at", "util_pct", "mem_used_bytes", "power_w",
                                                     "temp_c", "xid_errors"}
-    (for_job,) = async_to_sync(layer.receive)(job_channel)["messages"]
+    (for_job,) = receive(layer, job_channel)["messages"]
     assert for_job["payload"]["job"] == job.pk
     assert sorted(p["gpu"] for p in for_job["payload"]["points"]) == [0, 1]
     # A second batch within the throttle interval is held back, to ride along with the next.
@@ -188,7 +189,7 @@ def test_live_message_follows_commit_with_the_new_points_and_is_throttled(
     while not throttle.idle() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert live.wait_sent()
-    (held,) = async_to_sync(layer.receive)(node_channel)["messages"]
+    (held,) = receive(layer, node_channel)["messages"]
     assert held["event"] == "gpu_samples" and len(held["payload"]["points"]) == 8
     assert f"gpu:{node.pk}" not in throttle._pending
 
@@ -218,7 +219,7 @@ def test_step_records_reach_the_job_page_with_tokens(node, make_job, django_capt
     with django_capture_on_commit_callbacks(execute=True):
         ingest_step_batch(node, {"source": "steps", "seq": 0, "samples": [record]})
     assert live.wait_sent()
-    (message,) = async_to_sync(layer.receive)(channel)["messages"]
+    (message,) = receive(layer, channel)["messages"]
     assert message["event"] == "step_records"
     (point,) = message["payload"]["points"]
     assert (point["step"], point["step_s"], point["loss"], point["tokens"]) == (5, 1.5, 1.25, {"text": 10, "video": 20})

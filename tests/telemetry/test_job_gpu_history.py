@@ -17,6 +17,7 @@ from jobs.live_data import job_series
 from jobs.models import Allocation
 from telemetry import queries, rollups
 from telemetry.ingest import forget_allocations, ingest_gpu_batch
+from tests.layer import receive
 from tests.telemetry.conftest import gpu_batch
 
 pytestmark = pytest.mark.django_db
@@ -124,7 +125,7 @@ def test_live_frames_reach_only_the_job_that_holds_the_gpu_now(node, make_job, r
     with django_capture_on_commit_callbacks(execute=True):
         ingest_gpu_batch(node, gpu_batch(seq=0, samples=8, start_s=datetime.now(UTC).timestamp()))
     live.wait_sent()
-    (message,) = async_to_sync(layer.receive)(channels[second.pk])["messages"]  # a jobs.live batch
+    (message,) = receive(layer, channels[second.pk])["messages"]  # a jobs.live batch
     assert message["payload"]["job"] == second.pk
     assert [p["gpu"] for p in message["payload"]["points"]] == [0]
     assert async_to_sync(_received_within)(layer, channels[first.pk], 0.3) is None
