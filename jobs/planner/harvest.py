@@ -37,6 +37,7 @@ from jobs.planner.entitlements import entitled_gpus, is_active, next_boundary_s,
 from jobs.planner.rhythm import (
     expected_stop_s,
     lead_words,
+    loan_steps,
     min_loan_window_s,
     predict,
     reclaim_lead_time,
@@ -546,9 +547,8 @@ def loan_notes(state: PlanningPass, job: Job, dp: int, lent: list[str]) -> list[
 
 
 def loan_steps_words(job: Job, config: PlannerConfig) -> str:
-    """The steps a loan's window must fit (``rhythm.min_loan_window_s``): ``20 steps``, or ``the 3
-    steps it has left``."""
-    steps = min(config.min_loan_steps, job.remaining_steps)
+    """``rhythm.loan_steps`` in words: ``20 steps``, or ``the 3 steps it has left``."""
+    steps = loan_steps(job, config)
     return plural(steps, "step") if steps == config.min_loan_steps else f"the {plural(steps, 'step')} it has left"
 
 

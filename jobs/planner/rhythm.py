@@ -173,13 +173,17 @@ def lead_words(job: Job, config: PlannerConfig, prediction: RhythmPrediction | N
             f"{config.reclaim_grace_s:.0f}s grace")
 
 
+def loan_steps(job: Job, config: PlannerConfig) -> int:
+    """The steps a loan's window must fit: ``min_loan_steps``, or fewer for a job with fewer left
+    (it finishes in the window: ``harvest.finish_window_s``)."""
+    return min(config.min_loan_steps, job.remaining_steps)
+
+
 def min_loan_window_s(job: Job, dp: int, config: PlannerConfig) -> float:
     """The shortest window worth lending into for ``job`` at ``dp`` replicas.
 
-    Start-up + checkpoint load + ``min_loan_steps`` predicted steps + the reclaim lead time; a job
-    with fewer steps left needs only those (it finishes in the window: ``harvest.finish_window_s``).
+    Start-up + checkpoint load + ``loan_steps`` predicted steps + the reclaim lead time.
     """
     p = predict(job, config)
     step = step_time_at(job, dp) * config.safety_factor
-    steps = min(config.min_loan_steps, max(0, job.remaining_steps))
-    return config.startup_s + p.load_s + steps * step + reclaim_lead_time(job, config, p)
+    return config.startup_s + p.load_s + loan_steps(job, config) * step + reclaim_lead_time(job, config, p)
