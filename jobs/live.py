@@ -129,6 +129,7 @@ class TrailingThrottle:
         self._lock = threading.Lock()
         self._last: dict[Hashable, float] = {}
         self._timers: dict[Hashable, threading.Timer] = {}
+        self._firing = 0  # timers that have fired and whose go has not finished yet
 
     def go(self, key: Hashable, interval_s: float, later: Callable[[], None]) -> bool:
         """True: go now. False: too soon; ``later`` is (or already was) scheduled."""
@@ -157,7 +158,12 @@ class TrailingThrottle:
         with self._lock:
             self._timers.pop(key, None)
             self._last[key] = time.monotonic()
-        self._run(key, later, loop)
+            self._firing += 1
+        try:
+            self._run(key, later, loop)
+        finally:
+            with self._lock:
+                self._firing -= 1
 
     @staticmethod
     def _run(key: Hashable, later: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
@@ -181,9 +187,9 @@ class TrailingThrottle:
             self._last.clear()
 
     def idle(self) -> bool:
-        """No trailing go is scheduled (tests)."""
+        """No trailing go is scheduled or still running (tests)."""
         with self._lock:
-            return not self._timers
+            return not self._timers and not self._firing
 
 
 class SharedTrailingThrottle(TrailingThrottle):
@@ -226,14 +232,19 @@ class SharedTrailingThrottle(TrailingThrottle):
               loop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
             self._timers.pop(key, None)
-        claimed, holder, wait_s = self._claim(key, interval_s)
-        with self._lock:
+            self._firing += 1
+        try:
+            claimed, holder, wait_s = self._claim(key, interval_s)
+            with self._lock:
+                if claimed:
+                    self._last[key], self._claims[key] = time.monotonic(), holder
+                elif holder == refused_by and key not in self._timers:  # the timer ran a little early
+                    self._schedule(key, wait_s, self._fire, (key, later, interval_s, refused_by), loop)
             if claimed:
-                self._last[key], self._claims[key] = time.monotonic(), holder
-            elif holder == refused_by and key not in self._timers:  # the timer ran a little early
-                self._schedule(key, wait_s, self._fire, (key, later, interval_s, refused_by), loop)
-        if claimed:
-            self._run(key, later, loop)
+                self._run(key, later, loop)
+        finally:
+            with self._lock:
+                self._firing -= 1
 
     def _claim(self, key: Hashable, interval_s: float) -> tuple[bool, str | None, float]:
         """(claimed, the claim's holder, seconds it still holds)."""
