@@ -22,9 +22,17 @@ from asgiref.sync import async_to_sync
 RECEIVE_TIMEOUT_S = 15.0
 
 
-def receive(layer: Any, channel: str, timeout_s: float = RECEIVE_TIMEOUT_S) -> dict[str, Any]:
-    """The next message on ``channel``; the test fails after ``timeout_s`` without one."""
+def received_within(layer: Any, channel: str, timeout_s: float) -> dict[str, Any] | None:
+    """The next message on ``channel``, or None if none comes within ``timeout_s``."""
     try:
         return async_to_sync(asyncio.wait_for)(layer.receive(channel), timeout_s)
     except TimeoutError:
+        return None
+
+
+def receive(layer: Any, channel: str, timeout_s: float = RECEIVE_TIMEOUT_S) -> dict[str, Any]:
+    """The next message on ``channel``; the test fails after ``timeout_s`` without one."""
+    message = received_within(layer, channel, timeout_s)
+    if message is None:
         pytest.fail(f"no message on channel {channel} within {timeout_s:g} s", pytrace=False)
+    return message

@@ -4,7 +4,6 @@ it holds now."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -17,7 +16,7 @@ from jobs.live_data import job_series
 from jobs.models import Allocation
 from telemetry import queries, rollups
 from telemetry.ingest import forget_allocations, ingest_gpu_batch
-from tests.layer import receive
+from tests.layer import receive, received_within
 from tests.telemetry.conftest import gpu_batch
 
 pytestmark = pytest.mark.django_db
@@ -128,11 +127,4 @@ def test_live_frames_reach_only_the_job_that_holds_the_gpu_now(node, make_job, r
     (message,) = receive(layer, channels[second.pk])["messages"]  # a jobs.live batch
     assert message["payload"]["job"] == second.pk
     assert [p["gpu"] for p in message["payload"]["points"]] == [0]
-    assert async_to_sync(_received_within)(layer, channels[first.pk], 0.3) is None
-
-
-async def _received_within(layer, channel: str, timeout_s: float):
-    try:
-        return await asyncio.wait_for(layer.receive(channel), timeout_s)
-    except TimeoutError:
-        return None
+    assert received_within(layer, channels[first.pk], 0.3) is None
