@@ -101,6 +101,8 @@ class TeamBook:
         self.promised: set[str] = set()             # ... whose GPUs a waiting job counts on
         self._victims_groups: list[tuple[str | None, list]] = []
         self._names: dict[str | None, frozenset[str]] = {}
+        #: ``reclaimable`` per (the job's team, for_team), until the next ``add`` changes a holding.
+        self._reclaimable: dict[tuple[str | None, str | None], float] = {}
         for job in jobs if self.teams else ():  # no teams: nothing reads the ledger
             if job.holdings:
                 self.add(job.team, self.charge(job, job.gpus))
@@ -137,6 +139,7 @@ class TeamBook:
         if team is None or team not in self.teams:
             self.unteamed += gpus
             return
+        self._reclaimable.clear()
         for t in self.chain(team):
             self.held[t.name] = self.held.get(t.name, 0) + gpus
 
@@ -173,11 +176,16 @@ class TeamBook:
         ``for_team`` (an organisation within its own quota keeps its children's borrowing from
         outsiders; between siblings only the borrower's own excess counts); all of them for a
         job of no team, which has no quota and only borrows."""
-        chain = self.chain(job.team)
-        if not chain:
-            return INFINITY
-        mine = self.names(for_team)
-        return min((max(0, self.held.get(t.name, 0) - t.quota_gpus) for t in chain if t.name not in mine), default=0)
+        key = (job.team, for_team)
+        hit = self._reclaimable.get(key)
+        if hit is None:
+            chain = self.chain(job.team)
+            if not chain:
+                return INFINITY
+            mine = self.names(for_team)
+            hit = self._reclaimable[key] = min(
+                (max(0, self.held.get(t.name, 0) - t.quota_gpus) for t in chain if t.name not in mine), default=0)
+        return hit
 
     def victims_by_team(self, entries: list) -> list[tuple[str | None, list]]:
         """The victim pool's entries grouped by team, in victim order within each, the teams with

@@ -249,6 +249,22 @@ def test_the_ledger_follows_the_pass_and_the_words_read_right():
     assert PlannerConfig().fair_share_half_life_s == 604800.0
 
 
+def test_what_may_be_reclaimed_follows_every_change_of_the_ledger():
+    """``reclaimable`` is remembered per pair of teams between changes; a change of any team's
+    holding (the borrower's own, or its organisation's through a sibling) must be read."""
+    teams = [Team("org", quota_gpus=16), Team("a", parent="org", quota_gpus=8), Team("b", parent="org", quota_gpus=8),
+             Team("outside", quota_gpus=16)]
+    book = TeamBook(teams, [])
+    borrower = job("a-big", tp=8, team="a")
+    book.add("a", 8)
+    assert book.reclaimable(borrower, "outside") == 0  # a within its quota
+    book.add("a", 16)
+    assert book.reclaimable(borrower, "outside") == 8  # org 24 of 16, a 24 of 8: the least
+    assert book.reclaimable(borrower, "b") == 16  # a sibling: only a's own excess
+    book.add("b", -8)  # a sibling's change moves the organisation's excess
+    assert book.reclaimable(borrower, "outside") == 0 and book.reclaimable(borrower, "b") == 16
+
+
 def test_a_sibling_below_its_quota_reclaims_from_a_sibling_borrowing_inside_the_organisation():
     teams = [Team("org", quota_gpus=16), Team("a", parent="org", quota_gpus=8), Team("b", parent="org", quota_gpus=8),
              Team("outside", quota_gpus=16)]
