@@ -23,6 +23,7 @@ Groups: ``job-{id}``, ``node-{id}``, ``cluster``, ``audit`` (browsers, jobs.live
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -31,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import redis
@@ -155,12 +156,20 @@ class TrailingThrottle:
         timer.start()
 
     def _fire(self, key: Hashable, later: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+        with self._fired(key, stamp=True):
+            self._run(key, later, loop)
+
+    @contextlib.contextmanager
+    def _fired(self, key: Hashable, stamp: bool) -> Iterator[None]:
+        """A timer's go: its timer forgotten (and, with ``stamp``, the go counted as the key's
+        last, under the same lock), and the throttle not ``idle`` until the go is done."""
         with self._lock:
             self._timers.pop(key, None)
-            self._last[key] = time.monotonic()
+            if stamp:
+                self._last[key] = time.monotonic()
             self._firing += 1
         try:
-            self._run(key, later, loop)
+            yield
         finally:
             with self._lock:
                 self._firing -= 1
@@ -230,10 +239,7 @@ class SharedTrailingThrottle(TrailingThrottle):
 
     def _fire(self, key: Hashable, later: Callable[[], None], interval_s: float, refused_by: str | None,
               loop: asyncio.AbstractEventLoop) -> None:
-        with self._lock:
-            self._timers.pop(key, None)
-            self._firing += 1
-        try:
+        with self._fired(key, stamp=False):
             claimed, holder, wait_s = self._claim(key, interval_s)
             with self._lock:
                 if claimed:
@@ -242,9 +248,6 @@ class SharedTrailingThrottle(TrailingThrottle):
                     self._schedule(key, wait_s, self._fire, (key, later, interval_s, refused_by), loop)
             if claimed:
                 self._run(key, later, loop)
-        finally:
-            with self._lock:
-                self._firing -= 1
 
     def _claim(self, key: Hashable, interval_s: float) -> tuple[bool, str | None, float]:
         """(claimed, the claim's holder, seconds it still holds)."""
