@@ -75,7 +75,7 @@ def _ingest_step_records(node: Node, job_id: int, frame: dict[str, Any]) -> None
         samples.append(row)
     if samples and isinstance(frame.get("seq"), int):
         _store_telemetry(ingest_step_batch, node, {"source": _source(node, frame, "steps"), "seq": frame["seq"],
-                                                   "samples": samples})
+                                                   "samples": samples}, retried=True)
 
 
 def _observe_rhythm(node: Node, job_id: int, frame: dict[str, Any]) -> None:
@@ -91,13 +91,17 @@ def _source(node: Node, frame: dict[str, Any], kind: str) -> str:
     return f"agent-{node.name}-{boot}-{kind}"[:128]
 
 
-def _store_telemetry(ingest, node: Node, batch: dict[str, Any]) -> None:
-    # Telemetry must never break the control loop: a refused batch is logged and dropped.
+def _store_telemetry(ingest, node: Node, batch: dict[str, Any], *, retried: bool = False) -> None:
+    # Telemetry must never break the control loop: a refused batch is logged and dropped. A batch
+    # the sender sends again until acknowledged (``retried``: a ``steps`` frame) lets a failure to
+    # store it through, so the frame goes unacknowledged rather than lost.
     try:
         ingest(node, batch)
     except ValidationError as exc:
         logger.info("telemetry batch from %s refused: %s", node.name, exc)
     except Exception:
+        if retried:
+            raise
         logger.exception("telemetry batch from %s failed", node.name)
 
 
@@ -126,7 +130,15 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
     if kind == protocol.STEPS:
         newest, job_id = actions.record_step_records(node, frame["job"], frame["records"])
         if newest < 0:
-            return [error_frame("stale_records", f"job {frame['job']!r} is not running on {node.name}", frame["job"])]
+            # Late records of a job that ran here lately (held through an outage, or the last
+            # steps before a preempt, arriving after its done) are history: stored, but they move
+            # neither the job's progress nor its rhythm, which belong to its run now.
+            job_id = actions.job_lately_on(node, frame["job"])
+            if job_id is None:
+                return [error_frame("stale_records", f"job {frame['job']!r} has not run on {node.name} lately",
+                                    frame["job"])]
+            _ingest_step_records(node, job_id, frame)
+            return []
         _ingest_step_records(node, job_id, frame)
         _observe_rhythm(node, job_id, frame)
         return []

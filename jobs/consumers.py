@@ -79,7 +79,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
     Step records go through a per-socket queue drained by a background task, so a burst of
     telemetry never delays the heartbeats, acks and outcomes behind it (a node must not look
-    dead because its trainer is fast).
+    dead because its trainer is fast). Each frame is answered ``steps_ack`` once it is stored,
+    never before: a frame lost in the queue (a killed server, a failed database) goes again from
+    the agent (``trainer_agent.node.UnackedSteps``).
     """
 
     node: Node | None = None
@@ -125,10 +127,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
         while True:
             frame = await self.steps_queue.get()
             try:
-                for reply in await run_in_pool(handle_frame, self.node, frame):
-                    await self.send_frame(reply)
-            except Exception:
+                replies = await run_in_pool(handle_frame, self.node, frame)
+            except Exception:  # not acknowledged: the agent sends the frame again
                 logger.exception("step records from %s failed", self.node.name if self.node else "?")
+                continue
+            for reply in replies:
+                await self.send_frame(reply)
+            if isinstance(frame.get("seq"), int):
+                await self.send_frame({"type": protocol.STEPS_ACK, "seq": frame["seq"]})
 
     async def disconnect(self, code: int) -> None:
         for task in (self.steps_task, self.logs_task):
@@ -177,7 +183,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             if self.steps_queue.qsize() >= MAX_QUEUED_STEP_FRAMES:
                 self.steps_queue.get_nowait()
                 self.dropped_step_frames += 1
-                logger.warning("dropped a step-record frame from %s (database behind; %d so far)",
+                logger.warning("dropped a step-record frame from %s unacknowledged (database behind; %d so far; "
+                               "the agent sends it again)",
                                self.node.name, self.dropped_step_frames)
             self.steps_queue.put_nowait(frame)
             return

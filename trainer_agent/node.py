@@ -10,8 +10,9 @@ finished job's run dir. Exits are reported with the failing rank, its code and i
 the ranks' logs are shipped as they grow (``trainer_agent.logship``). Every command is acknowledged on receipt and answered with a
 ``done`` frame carrying its outcome (checkpoint step, save seconds, error). Command ids already
 applied are ignored (the server delivers at least once). Step records from ``metrics.jsonl``
-are forwarded as they appear; while the server is away the workers keep running and records
-wait in a bounded buffer (oldest dropped, counted). ``--virtual-nodes`` runs many simulated
+are forwarded as they appear, each frame kept until the server acknowledges it stored
+(``UnackedSteps``); while the server is away the workers keep running and records wait in a
+bounded buffer (oldest dropped, counted). ``--virtual-nodes`` runs many simulated
 nodes in one process, speaking the same protocol, with no torch at all. The workers themselves
 (a torchrun's ranks, or simulated ones) are ``trainer_agent.workers``.
 
@@ -48,6 +49,9 @@ logger = logging.getLogger("trainer_agent.node")
 
 RECORD_BUFFER = 2000
 RECORD_FLUSH_S = 1.0
+# A ``steps`` frame the server has not acknowledged (``steps_ack``) goes again after every hello
+# and when unanswered this long on a live socket (a database that failed under the frame).
+STEPS_RESEND_S = 30.0
 APPLIED_MEMORY = 4096
 EXIT_MEMORY = 64  # jobs whose last exit report is re-sent after every hello
 _clock_offset = [0.0, 0.0]  # agent_clock's [offset_s, when it was read]
@@ -127,6 +131,53 @@ class GpuInventory:
 # -- the agent -----------------------------------------------------------------------------------
 
 
+class UnackedSteps:
+    """The ``steps`` frames sent and not yet acknowledged, by ``seq``, oldest first.
+
+    A frame the socket took is not a frame the server stored: a server killed with frames in its
+    queue, or a database that failed under one, loses them, and with them the steps they carried
+    (``tests/control_loop/test_outages.py`` saw steps 2-6 go missing). So each frame is kept
+    until its ``steps_ack`` arrives, sent again after every hello (``due_again``) and when
+    unanswered for ``STEPS_RESEND_S``. The server stores a frame sent twice once (telemetry by
+    ``(boot, seq)``, progress and rhythm by step). Held records are bounded like the buffer in
+    front of them: past ``limit`` the oldest frames go, counted as dropped records."""
+
+    def __init__(self, limit: int = RECORD_BUFFER) -> None:
+        self.limit = limit
+        self.frames: collections.OrderedDict[int, tuple[dict[str, Any], float]] = collections.OrderedDict()
+        self.records = 0
+
+    def keep(self, frame: dict[str, Any], sent_at: float) -> int:
+        """Hold ``frame`` (sent at ``sent_at``); return how many records older frames dropped."""
+        self.frames[frame["seq"]] = (frame, sent_at)
+        self.records += len(frame["records"])
+        dropped = 0
+        while self.records > self.limit and len(self.frames) > 1:
+            _, (old, _) = self.frames.popitem(last=False)
+            self.records -= len(old["records"])
+            dropped += len(old["records"])
+        return dropped
+
+    def on_ack(self, frame: dict[str, Any]) -> None:
+        held = self.frames.pop(frame.get("seq"), None) if isinstance(frame.get("seq"), int) else None
+        if held is not None:
+            self.records -= len(held[0]["records"])
+
+    def due_again(self) -> None:
+        """A new session: every held frame is due at once."""
+        for seq, (frame, _) in list(self.frames.items()):
+            self.frames[seq] = (frame, float("-inf"))
+
+    def due(self, now: float) -> list[dict[str, Any]]:
+        """The held frames unanswered for ``STEPS_RESEND_S`` (marked sent again at ``now``)."""
+        out = []
+        for seq, (frame, sent_at) in list(self.frames.items()):
+            if now - sent_at >= STEPS_RESEND_S:
+                self.frames[seq] = (frame, now)
+                out.append(frame)
+        return out
+
+
 class NodeAgent:
     """One node's agent: connection, heartbeats, command handling and the worker table."""
 
@@ -157,6 +208,7 @@ class NodeAgent:
         self.control_out: collections.deque[dict[str, Any]] = collections.deque()
         self.records_out: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECORD_BUFFER)
         self.dropped_records = 0
+        self.steps_unacked = UnackedSteps()
         self.ws: Any = None
         self.seq = 0
         self.steps_seq = 0
@@ -194,6 +246,8 @@ class NodeAgent:
             for frame in self.shipper.frames():
                 await ws.send(protocol.dumps(frame))
         now = time.monotonic()
+        for frame in self.steps_unacked.due(now):
+            await ws.send(protocol.dumps(frame))
         if not self.records_out or (now - self._records_sent_at < RECORD_FLUSH_S
                                     and len(self.records_out) < protocol.MAX_RECORDS_PER_FRAME):
             return
@@ -206,9 +260,15 @@ class NodeAgent:
         while pending:
             job, records = pending[0]
             batch, rest = records[:200], records[200:]
+            if rest:
+                pending[0] = (job, rest)
+            else:
+                pending.pop(0)
             self.steps_seq += 1
             frame = {"type": protocol.STEPS, "job": job, "records": batch, "boot": self.boot, "seq": self.steps_seq,
                      "sent_at": agent_clock()}
+            # Held before it is sent: a send that fails leaves it due after the next hello.
+            self.dropped_records += self.steps_unacked.keep(frame, now)
             try:
                 await ws.send(protocol.dumps(frame))
             except Exception:
@@ -216,10 +276,6 @@ class NodeAgent:
                     for record in reversed(other):
                         self.records_out.appendleft({"job": other_job, "record": record})
                 raise
-            if rest:
-                pending[0] = (job, rest)
-            else:
-                pending.pop(0)
 
     def _workers_report(self) -> list[dict[str, Any]]:
         out = []
@@ -314,6 +370,7 @@ class NodeAgent:
         self.ws = ws
         if self.shipper is not None:
             self.shipper.on_disconnect()  # whatever the last session did not get acknowledged goes again
+        self.steps_unacked.due_again()
         await ws.send(protocol.dumps({
             "type": protocol.HELLO, "protocol": protocol.PROTOCOL_VERSION, "node": self.node,
             "inventory": {"gpus": self.gpus.describe(), "hostname": socket.gethostname(),
@@ -332,7 +389,9 @@ class NodeAgent:
                 continue
             if frame.get("type") == protocol.COMMAND:
                 await self.on_command(frame)
-            elif frame.get("type") == getattr(protocol, "LOGS_ACK", "logs_ack") and self.shipper is not None:
+            elif frame.get("type") == protocol.STEPS_ACK:
+                self.steps_unacked.on_ack(frame)
+            elif frame.get("type") == protocol.LOGS_ACK and self.shipper is not None:
                 self.shipper.on_ack(frame)
             elif frame.get("type") == protocol.ERROR:
                 logger.warning("server error: %s %s", frame.get("code"), frame.get("message"))

@@ -34,6 +34,7 @@ WELCOME = "welcome"
 COMMAND = "command"
 ERROR = "error"
 LOGS_ACK = "logs_ack"  # a ``logs`` frame stored (or refused): its ``ship`` id
+STEPS_ACK = "steps_ack"  # a ``steps`` frame handled (stored, or refused as stale): its ``seq``
 
 COMMAND_KINDS = ("start", "preempt", "resize", "resume", "stop", "clean")
 MAX_FRAME_BYTES = 1 << 20

@@ -355,6 +355,8 @@ class SimulatedJob:
                       "accum": p.get("accum"), "global_batch": p.get("global_batch"),
                       "tokens": {"image": 300 * dp, "video": 40 * dp, "text": 150 * dp}, "simulated": True,
                       "loss": 4.0 / (1.0 + 0.01 * step)}
+            if self.payload.get("run_id"):
+                record["run"] = self.payload["run_id"]
             self.handle.step = step
             self.handle.last_record = record
             self.records.append(record)

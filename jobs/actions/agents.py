@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from jobs.actions._common import (
@@ -30,7 +32,7 @@ from jobs.actions.commands import (
     write_stop_commands,
 )
 from jobs.audit import record_event
-from jobs.models import Allocation, Command, Job, JobState, Node, NodeState
+from jobs.models import Allocation, AllocationSpan, Command, Job, JobState, Node, NodeState
 from jobs.models.commands import CommandState
 from jobs.vocab import CommandKind, EventKind
 
@@ -185,17 +187,35 @@ def _heartbeat_heals(node: Node) -> None:
 def record_step_records(node: Node, job_name: str, records: list[dict[str, Any]]) -> tuple[int, int | None]:
     """Progress from a worker's step records: the job's committed step moves forward (never back
     past a fault's rollback, which resets it). Returns (newest step, job id), (-1, None) when
-    the job is not running on this node. One conditional update, no transaction needed."""
-    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
-    if not steps:
+    the job is not running on this node or the records are another run's (a frame held through
+    an outage, sent again after the job was rolled back and relaunched: history, not progress).
+    One conditional update, no transaction needed."""
+    if not any(isinstance(r.get("step"), int) for r in records):
         return -1, None
-    newest = max(steps)
     job = Job.objects.filter(name=job_name, allocations__node=node).distinct().first()
     if job is None or job.state not in WORKING_JOB_STATES:
         return -1, None
-    newest = min(newest, job.total_steps)
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)
+             and (not job.run_id or r.get("run") in (None, job.run_id))]
+    if not steps:
+        return -1, None
+    newest = min(max(steps), job.total_steps)
     Job.objects.filter(pk=job.pk, committed_steps__lt=newest).update(committed_steps=newest)
     return newest, job.pk
+
+
+# How long after a job's last GPU on a node left it the node's step records of that job are still
+# stored (as history only): a frame held by the agent through an outage, or the last steps before
+# a preempt that arrive after its ``done``.
+LATE_RECORDS_S = 3600
+
+
+def job_lately_on(node: Node, job_name: str) -> int | None:
+    """The id of ``job_name`` if it held a GPU on ``node`` now or within ``LATE_RECORDS_S``."""
+    since = timezone.now() - timedelta(seconds=LATE_RECORDS_S)
+    return (AllocationSpan.objects.filter(job__name=job_name, node=node)
+            .filter(Q(ended_at__isnull=True) | Q(ended_at__gte=since))
+            .values_list("job_id", flat=True).first())
 
 
 @transaction.atomic

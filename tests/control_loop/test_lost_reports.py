@@ -2,7 +2,8 @@
 with a consumer that died on the frame before it): each job's last ``exit`` goes again after
 every hello (trainer_agent/node.py, ``report_exit``) and is applied once, and the hello's replay
 includes the acknowledged commands the agent lists as applied, so it sends their ``done``
-again (docs/control-loop.md, "At-least-once exits")."""
+again (docs/control-loop.md, "At-least-once exits"). A ``steps`` frame is acknowledged only once
+stored, so one lost on the way is sent again, and stored once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import WebsocketCommunicator
+from django.db import transaction
 from django.utils import timezone
 
 from jobs import actions
@@ -114,3 +116,98 @@ def test_a_hello_that_lists_an_acknowledged_command_gets_it_again_so_its_done_is
         actions.record_command_outcome(node, str(start.id), ok=True, outcome={"checkpoint_step": 0})
     assert Command.objects.get(pk=start.pk).state == CommandState.DONE
     assert ElasticEvent.objects.filter(job=job, kind=EventKind.OUTCOME).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_steps_frame_is_acknowledged_only_once_stored_and_one_sent_again_is_stored_once(boss, monkeypatch):
+    from django.db import connections
+
+    from telemetry.models import StepRecord
+
+    # The consumer's worker threads close their connections after each frame, so none is left
+    # open on the test database when it is dropped.
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
+    job, node = _running(boss)
+    token = node.issue_token()
+    node.save(update_fields=["agent_token_hash"])
+    headers = [(b"authorization", f"Bearer {token}".encode())]
+    now = timezone.now().timestamp()
+
+    def steps(seq: int, *numbers: int) -> str:
+        return json.dumps({"type": "steps", "job": job.name, "boot": "b1", "seq": seq, "sent_at": now,
+                           "records": [{"step": n, "step_s": 1.0, "at": now - 10 + n} for n in numbers]})
+
+    def failing(node, batch):
+        raise RuntimeError("the database went away under the frame")
+
+    async def scenario() -> list[list[dict]]:
+        communicator = WebsocketCommunicator(AgentConsumer.as_asgi(), protocol.AGENT_PATH, headers=headers)
+        assert (await communicator.connect())[0]
+        assert (await communicator.receive_json_from(timeout=2))["type"] == protocol.WELCOME
+        heard = []
+        for text, broken in ((steps(1, 1, 2), False), (steps(2, 3), True), (steps(2, 3), False),
+                             (steps(1, 1, 2), False)):
+            with monkeypatch.context() as patch:
+                if broken:  # jobs.agent_api imports it where it is used
+                    patch.setattr("telemetry.ingest.ingest_step_batch", failing)
+                await communicator.send_to(text_data=text)
+                frames = []
+                while not await communicator.receive_nothing(timeout=1.0):
+                    frames.append(await communicator.receive_json_from(timeout=1))
+            heard.append(frames)
+        await communicator.disconnect()
+        return heard
+
+    heard = async_to_sync(scenario)()
+    assert heard == [[{"type": "steps_ack", "seq": 1}], [], [{"type": "steps_ack", "seq": 2}],
+                     [{"type": "steps_ack", "seq": 1}]]
+    stored = sorted(StepRecord.objects.filter(job=job).values_list("step", flat=True))
+    assert stored == [1, 2, 3]  # frame 2 stored when it came again; frame 1's second copy not again
+    assert Job.objects.get(pk=job.pk).committed_steps == 3
+
+
+@pytest.mark.django_db
+def test_late_step_records_of_a_job_that_ran_here_are_stored_as_history_and_move_nothing(boss):
+    """The agent holds a frame through an outage and sends it after the job left the node (a
+    shrink moved its leader, or a preempt's ``done`` came before its last steps): the steps ran,
+    so they are stored, but the job's progress and rhythm belong to its run now."""
+    from datetime import timedelta
+
+    from jobs.actions._common import kill_and_release
+    from jobs.agent_api import handle_frame
+    from jobs.models import AllocationSpan, JobRhythm
+    from telemetry.models import StepRecord
+
+    job, node = _running(boss)
+    stranger = Node.objects.create(name="n2", rack="r0", switch="r0s0", gpu_count=1, last_heartbeat_at=timezone.now())
+    now = timezone.now().timestamp()
+
+    def steps(seq: int, *numbers: int, run: str | None = None) -> dict:
+        return {"type": "steps", "job": job.name, "boot": "b1", "seq": seq, "sent_at": now,
+                "records": [{"step": n, "step_s": 1.0, "at": now - 60 + n, "run": run or job.run_id}
+                            for n in numbers]}
+
+    # Still running here, but the records are an older run's (rolled back and relaunched since).
+    assert handle_frame(node, steps(1, 7, 8, run="be-old")) == []
+    assert handle_frame(node, steps(2, 2)) == []
+    job.refresh_from_db()
+    assert job.committed_steps == 2
+    assert JobRhythm.objects.get(job=job).samples == 1  # the current run's record alone
+
+    with transaction.atomic():
+        kill_and_release(Job.objects.select_for_update().get(pk=job.pk))
+    assert handle_frame(node, steps(3, 5, 6)) == []
+    assert sorted(StepRecord.objects.filter(job=job).values_list("step", flat=True)) == [2, 5, 6, 7, 8]
+    job.refresh_from_db()
+    assert job.state == JobState.PREEMPTED and job.committed_steps == 0  # the kill's rollback stands
+    assert JobRhythm.objects.get(job=job).samples == 1
+
+    # A node the job never ran on may not write its steps.
+    (refused,) = handle_frame(stranger, steps(1, 9))
+    assert refused["code"] == "stale_records" and "has not run on n2 lately" in refused["message"]
+    # Nor the node it left longer ago than LATE_RECORDS_S.
+    long_ago = timezone.now() - timedelta(seconds=actions.agents.LATE_RECORDS_S + 60)
+    AllocationSpan.objects.filter(job=job).update(started_at=long_ago - timedelta(hours=1), ended_at=long_ago)
+    (refused,) = handle_frame(node, steps(4, 10))
+    assert refused["code"] == "stale_records"
+    assert sorted(StepRecord.objects.filter(job=job).values_list("step", flat=True)) == [2, 5, 6, 7, 8]

@@ -73,12 +73,18 @@ class _Socket:
 
     def __init__(self) -> None:
         self.sent: list[dict] = []
+        self.fail = False  # the next send raises, like a socket closed under it
 
     async def recv(self) -> str:
         return json.dumps({"type": "welcome", "protocol": 1, "node": "n1", "heartbeat_interval_s": 1.0})
 
     async def send(self, text: str) -> None:
+        if self.fail:
+            raise ConnectionError("socket closed")
         self.sent.append(json.loads(text))
+
+    def steps(self) -> list[tuple[int, list[int]]]:
+        return [(f["seq"], [r["step"] for r in f["records"]]) for f in self.sent if f["type"] == "steps"]
 
     def __aiter__(self):
         return self
@@ -205,6 +211,73 @@ def test_the_record_buffer_drops_the_oldest_and_counts_them(tmp_path, monkeypatc
     assert agent.dropped_records == 3
     assert [item["record"]["step"] for item in agent.records_out] == [4, 5, 6, 7, 8]
     assert agent.heartbeat_frame()["dropped_records"] == 3
+
+
+def test_a_steps_frame_is_kept_until_acknowledged_and_sent_again_after_a_reconnect(tmp_path, monkeypatch):
+    async def scenario():
+        agent = _agent(tmp_path)
+        agent.ws = first = _Socket()
+        agent.queue_records("be", [{"step": 1}, {"step": 2}])
+        await agent._flush()
+        agent._records_sent_at = 0.0
+        agent.queue_records("be", [{"step": 3}])
+        await agent._flush()
+        assert first.steps() == [(1, [1, 2]), (2, [3])]
+        agent.steps_unacked.on_ack({"type": "steps_ack", "seq": 1})
+        agent.steps_unacked.on_ack({"type": "steps_ack", "seq": 99})  # not ours: changes nothing
+        agent.steps_unacked.on_ack({"type": "steps_ack", "seq": "2"})
+        await agent._flush()
+        assert first.steps() == [(1, [1, 2]), (2, [3])]  # nothing due yet: no resend on a live socket
+
+        # The server died with frame 2 in its queue; the next session sends it again after its hello.
+        agent.queue_records("be", [{"step": 4}])
+        agent._records_sent_at = 0.0
+        second = _Socket()
+        await agent._session(second)
+        types = [f["type"] for f in second.sent]
+        assert types.index("hello") < types.index("steps")
+        assert second.steps() == [(2, [3]), (3, [4])]
+
+        # Unanswered for STEPS_RESEND_S on a live socket (a database that failed under it): again.
+        agent.ws = second
+        monkeypatch.setattr(agent_node, "STEPS_RESEND_S", 0.0)
+        agent.steps_unacked.on_ack({"type": "steps_ack", "seq": 3})
+        await agent._flush()
+        assert second.steps() == [(2, [3]), (3, [4]), (2, [3])]
+        agent.steps_unacked.on_ack({"type": "steps_ack", "seq": 2})
+        monkeypatch.setattr(agent_node, "STEPS_RESEND_S", 30.0)
+
+        # A send that fails keeps the frame for the next session, and the records behind it queued.
+        second.fail = True
+        agent._records_sent_at = 0.0
+        agent.queue_records("be", [{"step": 5}])
+        agent.queue_records("other", [{"step": 7}])
+        try:
+            await agent._flush()
+        except ConnectionError:
+            pass
+        assert list(agent.steps_unacked.frames) == [4]
+        assert [(i["job"], i["record"]["step"]) for i in agent.records_out] == [("other", 7)]
+        third = _Socket()
+        agent._records_sent_at = 0.0
+        await agent._session(third)
+        assert third.steps() == [(4, [5]), (5, [7])]
+        assert agent.dropped_records == 0
+
+    asyncio.run(scenario())
+
+
+def test_unacknowledged_step_frames_are_bounded_and_what_they_drop_is_counted():
+    held = agent_node.UnackedSteps(limit=5)
+    dropped = [held.keep({"seq": seq, "records": [{"step": seq * 10 + i} for i in range(2)]}, 0.0)
+               for seq in (1, 2, 3)]
+    assert dropped == [0, 0, 2]
+    assert list(held.frames) == [2, 3] and held.records == 4
+    held.on_ack({"seq": 3})
+    assert list(held.frames) == [2] and held.records == 2
+    # One frame larger than the bound is still held: the newest records are never the ones dropped.
+    assert held.keep({"seq": 4, "records": [{"step": 40 + i} for i in range(7)]}, 0.0) == 2
+    assert list(held.frames) == [4] and held.records == 7
 
 
 def test_a_clean_command_removes_the_run_dir_but_never_under_live_ranks(tmp_path):
