@@ -478,7 +478,8 @@ def _job_spec(name: str, *, dp: int, total_steps: int, priority: str = "best_eff
             "checkpoint_load_s": 0.3, "max_restarts": 100, "min_run_s": 0}
 
 
-def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dict[str, Any]:
+def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False,
+        kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
     started = time.monotonic()
     rng = random.Random(seed)
     workdir = Path(tempfile.mkdtemp(prefix="omni-faults-"))
@@ -561,7 +562,7 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
         log(f"stack up in {time.monotonic() - started:.0f}s")
 
         checker = Checker(stack)
-        schedule = [KINDS[i % len(KINDS)] for i in range(faults)]
+        schedule = [kinds[i % len(kinds)] for i in range(faults)]
         rng.shuffle(schedule)
         by_kind = {k: {"injected": 0, "survived": 0} for k in KINDS}
         failures: list[dict[str, Any]] = []
@@ -619,6 +620,9 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
             log(f"[{i}/{faults}] {kind} ({target}): {'survived' if survived else 'FAILED'}, settled in {settle:.1f}s; "
                 f"audit rows since: {effects or 'none'}" + ("" if survived else f"; {problems[:3]}"))
 
+        time.sleep(2 * HEARTBEAT_S)  # the last frames' resends after the last fault
+        missing = _step_records_missing()
+        log(f"step records missing: {missing}")
         injected = sum(v["injected"] for v in by_kind.values())
         survived_n = sum(v["survived"] for v in by_kind.values())
         kept = bool(failures) or keep_logs
@@ -628,6 +632,7 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
             "faults_survived": survived_n,
             "commands_lost": len(checker.lost),
             "commands_duplicated": len(checker.duplicated),
+            "step_records_missing": missing,
             "by_kind": by_kind,
             "failures": failures,
             "settle_s_p50": round(statistics.median(settle_times), 1) if settle_times else None,
@@ -657,6 +662,29 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False) -> dic
         pg.destroy()
         if not kept:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _step_records_missing() -> dict[str, dict[str, Any]]:
+    """Per job, the steps from 1 to its newest stored record that have no stored record (rank 0's
+    view, what the agent forwards): how many, and the first gaps (``"12-40"``). A ``steps`` frame
+    is kept by the agent until the server acknowledges it stored (docs/control-loop.md), so no
+    fault but the kill of an agent (the records it had read and not yet sent die with it)
+    should leave a gap."""
+    from jobs.models import Job
+    from telemetry.models import StepRecord
+
+    out: dict[str, dict[str, Any]] = {}
+    for job_id, name in Job.objects.values_list("id", "name"):
+        steps = sorted(set(StepRecord.objects.filter(job_id=job_id, rank=0, step__gte=1)
+                           .values_list("step", flat=True)))
+        gaps, last = [], 0
+        for step in steps:
+            if step > last + 1:
+                gaps.append(f"{last + 1}-{step - 1}" if step > last + 2 else str(last + 1))
+            last = step
+        if gaps:
+            out[name] = {"missing": steps[-1] - len(steps), "newest": steps[-1], "gaps": gaps[:5]}
+    return out
 
 
 def _churn(rng: random.Random, boss, n: int) -> int:
@@ -836,11 +864,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=100, help="faults to inject")
     parser.add_argument("--settle-s", type=float, default=45.0, help="how long each fault may take to settle")
     parser.add_argument("--keep-logs", action="store_true", help="keep the run's logs even when every fault survived")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"comma-separated fault kinds to draw from (default: all of {', '.join(KINDS)})")
     args = parser.parse_args(argv)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        parser.error(f"--kinds: unknown fault kind {unknown[0]!r} (known: {', '.join(KINDS)})" if unknown
+                     else "--kinds: name at least one fault kind")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     # A timeout's SIGTERM unwinds like Ctrl-C, so the stack and the private services go with us.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    result = run(seed, args.faults, args.settle_s, args.keep_logs)
+    result = run(seed, args.faults, args.settle_s, args.keep_logs, kinds)
     if args.json:
         print(json.dumps(result))
     else:
