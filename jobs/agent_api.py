@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.db import transaction
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
@@ -74,8 +75,12 @@ def _ingest_step_records(node: Node, job_id: int, frame: dict[str, Any]) -> None
                              and isinstance(v, int) and not isinstance(v, bool)}
         samples.append(row)
     if samples and isinstance(frame.get("seq"), int):
-        _store_telemetry(ingest_step_batch, node, {"source": _source(node, frame, "steps"), "seq": frame["seq"],
-                                                   "samples": samples}, retried=True)
+        # The frame is acknowledged once stored, and an acknowledged frame is never sent again: its
+        # commit waits for the WAL flush (inside a caller's transaction the store leaves
+        # synchronous_commit alone, docs/telemetry.md), or a database crash could lose it.
+        with transaction.atomic():
+            _store_telemetry(ingest_step_batch, node, {"source": _source(node, frame, "steps"),
+                                                       "seq": frame["seq"], "samples": samples}, retried=True)
 
 
 def _observe_rhythm(node: Node, job_id: int, frame: dict[str, Any]) -> None:

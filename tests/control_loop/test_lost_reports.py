@@ -211,3 +211,32 @@ def test_late_step_records_of_a_job_that_ran_here_are_stored_as_history_and_move
     (refused,) = handle_frame(node, steps(4, 10))
     assert refused["code"] == "stale_records"
     assert sorted(StepRecord.objects.filter(job=job).values_list("step", flat=True)) == [2, 5, 6, 7, 8]
+
+
+@pytest.mark.django_db(transaction=True)  # outside a test transaction, as the consumer's store runs
+def test_an_acknowledged_steps_frame_is_committed_durably_not_asynchronously(boss, monkeypatch):
+    """Telemetry commits with ``synchronous_commit`` off by default (a crash may lose its last
+    moments); a ``steps`` frame is acknowledged and then never sent again, so its store waits
+    for the WAL flush."""
+    from django.db import connection
+
+    from jobs.agent_api import handle_frame
+    from telemetry.ingest import pipeline
+
+    job, node = _running(boss)
+    relaxed = []
+    real = pipeline.store_batch
+
+    def spy(*args, **kwargs):
+        from django.conf import settings
+
+        relaxed.append(settings.OMNI_TELEMETRY_ASYNC_COMMIT and not connection.in_atomic_block)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "store_batch", spy)
+    monkeypatch.setattr("django.conf.settings.OMNI_TELEMETRY_ASYNC_COMMIT", True)
+    now = timezone.now().timestamp()
+    frame = {"type": "steps", "job": job.name, "boot": "b1", "seq": 1, "sent_at": now,
+             "records": [{"step": 1, "step_s": 1.0, "at": now}]}
+    assert handle_frame(node, frame) == []
+    assert relaxed == [False]
