@@ -667,23 +667,27 @@ def run(seed: int, faults: int, settle_s: float, keep_logs: bool = False,
 def _step_records_missing() -> dict[str, dict[str, Any]]:
     """Per job, the steps from 1 to its newest stored record that have no stored record (rank 0's
     view, what the agent forwards): how many, and the first gaps (``"12-40"``). A ``steps`` frame
-    is kept by the agent until the server acknowledges it stored (docs/control-loop.md), so no
-    fault but the kill of an agent (the records it had read and not yet sent die with it)
-    should leave a gap."""
+    is kept by the agent until the server acknowledges it stored (docs/control-loop.md), so only
+    the kill of an agent (the records it had read and not yet sent die with it) and a clock
+    jumped past ``OMNI_TELEMETRY_MAX_FUTURE_S`` (its batches refused) should leave a gap."""
     from jobs.models import Job
     from telemetry.models import StepRecord
 
+    names = dict(Job.objects.values_list("id", "name"))
+    steps_of: dict[int, list[int]] = collections.defaultdict(list)
+    for job_id, step in (StepRecord.objects.filter(rank=0, step__gte=1).values_list("job_id", "step")
+                         .distinct().order_by("job_id", "step")):
+        steps_of[job_id].append(step)
     out: dict[str, dict[str, Any]] = {}
-    for job_id, name in Job.objects.values_list("id", "name"):
-        steps = sorted(set(StepRecord.objects.filter(job_id=job_id, rank=0, step__gte=1)
-                           .values_list("step", flat=True)))
+    for job_id, steps in steps_of.items():
         gaps, last = [], 0
         for step in steps:
             if step > last + 1:
                 gaps.append(f"{last + 1}-{step - 1}" if step > last + 2 else str(last + 1))
             last = step
         if gaps:
-            out[name] = {"missing": steps[-1] - len(steps), "newest": steps[-1], "gaps": gaps[:5]}
+            out[names.get(job_id, str(job_id))] = {"missing": steps[-1] - len(steps), "newest": steps[-1],
+                                                   "gaps": gaps[:5]}
     return out
 
 

@@ -133,19 +133,13 @@ def handle_frame(node: Node, frame: dict[str, Any]) -> list[dict[str, Any]]:
             return [error_frame(exc.code, str(exc), frame["command"])]
         return []
     if kind == protocol.STEPS:
-        newest, job_id = actions.record_step_records(node, frame["job"], frame["records"])
-        if newest < 0:
-            # Late records of a job that ran here lately (held through an outage, or the last
-            # steps before a preempt, arriving after its done) are history: stored, but they move
-            # neither the job's progress nor its rhythm, which belong to its run now.
-            job_id = actions.job_lately_on(node, frame["job"])
-            if job_id is None:
-                return [error_frame("stale_records", f"job {frame['job']!r} has not run on {node.name} lately",
-                                    frame["job"])]
-            _ingest_step_records(node, job_id, frame)
-            return []
+        job_id, progress = actions.record_step_records(node, frame["job"], frame["records"])
+        if job_id is None:
+            return [error_frame("stale_records", f"job {frame['job']!r} has not run on {node.name} lately",
+                                frame["job"])]
         _ingest_step_records(node, job_id, frame)
-        _observe_rhythm(node, job_id, frame)
+        if progress:  # late records are history: the rhythm belongs to the job's current run
+            _observe_rhythm(node, job_id, frame)
         return []
     if kind == protocol.EXIT:
         actions.record_worker_exit(node, frame["job"], frame["outcome"])

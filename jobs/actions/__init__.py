@@ -29,7 +29,6 @@ from jobs.actions._common import describe_changes
 from jobs.actions.accounts import add_user, issue_api_token
 from jobs.actions.agents import (
     fence_stray_workers,
-    job_lately_on,
     record_agent_hello,
     record_heartbeat,
     record_step_records,
@@ -152,7 +151,6 @@ __all__ = [
     "record_log_lines",
     "record_run_dir_removed",
     "record_step_records",
-    "job_lately_on",
     "observe_step_records",
     "record_worker_exit",
     "register_node",

@@ -184,38 +184,34 @@ def _heartbeat_heals(node: Node) -> None:
                              "inputs": {"node": node.name, "from": "suspect"}})
 
 
-def record_step_records(node: Node, job_name: str, records: list[dict[str, Any]]) -> tuple[int, int | None]:
-    """Progress from a worker's step records: the job's committed step moves forward (never back
-    past a fault's rollback, which resets it). Returns (newest step, job id), (-1, None) when
-    the job is not running on this node or the records are another run's (a frame held through
-    an outage, sent again after the job was rolled back and relaunched: history, not progress).
-    One conditional update, no transaction needed."""
-    if not any(isinstance(r.get("step"), int) for r in records):
-        return -1, None
-    job = Job.objects.filter(name=job_name, allocations__node=node).distinct().first()
-    if job is None or job.state not in WORKING_JOB_STATES:
-        return -1, None
-    steps = [r["step"] for r in records if isinstance(r.get("step"), int)
-             and (not job.run_id or r.get("run") in (None, job.run_id))]
-    if not steps:
-        return -1, None
-    newest = min(max(steps), job.total_steps)
-    Job.objects.filter(pk=job.pk, committed_steps__lt=newest).update(committed_steps=newest)
-    return newest, job.pk
-
-
 # How long after a job's last GPU on a node left it the node's step records of that job are still
 # stored (as history only): a frame held by the agent through an outage, or the last steps before
 # a preempt that arrive after its ``done``.
 LATE_RECORDS_S = 3600
 
 
-def job_lately_on(node: Node, job_name: str) -> int | None:
-    """The id of ``job_name`` if it held a GPU on ``node`` now or within ``LATE_RECORDS_S``."""
+def record_step_records(node: Node, job_name: str, records: list[dict[str, Any]]) -> tuple[int | None, bool]:
+    """Progress from a worker's step records: the job's committed step moves forward (never back
+    past a fault's rollback, which resets it). Returns (the job's id, whether they were its
+    progress). Records of a job no longer running here, or of another run than its current one
+    (a frame held through an outage, sent again after the job moved, or was rolled back and
+    relaunched), are history, not progress: the job's id while it held a GPU on this node within
+    ``LATE_RECORDS_S``, else ``None`` (the node may not write them). One conditional update, no
+    transaction needed."""
+    job = Job.objects.filter(name=job_name, allocations__node=node).distinct().first()
+    if job is not None and job.state in WORKING_JOB_STATES:
+        steps = [r["step"] for r in records if isinstance(r.get("step"), int)
+                 and (not job.run_id or r.get("run") in (None, job.run_id))]
+        if not steps:
+            return job.pk, False
+        newest = min(max(steps), job.total_steps)
+        Job.objects.filter(pk=job.pk, committed_steps__lt=newest).update(committed_steps=newest)
+        return job.pk, True
     since = timezone.now() - timedelta(seconds=LATE_RECORDS_S)
-    return (AllocationSpan.objects.filter(job__name=job_name, node=node)
-            .filter(Q(ended_at__isnull=True) | Q(ended_at__gte=since))
-            .values_list("job_id", flat=True).first())
+    lately = (AllocationSpan.objects.filter(job__name=job_name, node=node)
+              .filter(Q(ended_at__isnull=True) | Q(ended_at__gte=since))
+              .values_list("job_id", flat=True).first())
+    return lately, False
 
 
 @transaction.atomic
