@@ -8,6 +8,7 @@ import io
 import json
 import re
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.core.cache import cache
@@ -523,3 +524,15 @@ def test_job_page_shows_the_workload_with_env_names_but_never_values(researcher,
     assert "SIGTERM, 45 s grace, then SIGKILL; not elastic" in workload
     assert "WANDB_API_KEY" in workload and "HF_HOME" in workload and "1 of 2 used" in workload
     assert "wk-secret-value" not in body and "/cache/hf" not in body
+
+
+def test_every_page_names_its_icon_and_the_icon_is_a_static_file():
+    """Without a ``rel=icon`` link a browser asks for /favicon.ico on every first visit and
+    logs the 404 in its console."""
+    from django.contrib.staticfiles import finders
+
+    html = Client().get(reverse("login")).content.decode()
+    match = re.search(r'<link rel="icon" type="image/svg\+xml" href="/static/([^"]+)">', html)
+    assert match, "the login page names no icon"
+    found = finders.find(match.group(1))
+    assert found and "<svg" in Path(found).read_text()
