@@ -435,7 +435,7 @@ class Checker:
             if undone:
                 out.append(("job_not_settled", f"{job.name}'s launch on {', '.join(undone)} is not done yet"))
                 continue
-            # A job whose newest checkpoint simulated workers saved, or that spans a simulated
+            # A reference job whose newest checkpoint simulated workers saved, or that spans a simulated
             # node, runs simulated on a real node too (the agent's own rule, trainer_agent.node):
             # no ranks to find there, only steps.
             simulated = (resumes_simulated(self.runs_dir / safe_name(job.name))

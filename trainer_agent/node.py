@@ -605,12 +605,15 @@ class NodeAgent:
         run_dir = self.runs_dir / launch.safe_name(job)
         self.exits.pop(job, None)  # a new run: the last one's exit is history
         worker: TorchrunJob | SimulatedJob
-        if self._simulates(payload) or resumes_simulated(run_dir) or _spans_simulated_node(self.runs_dir, payload):
-            # A job whose newest checkpoint was saved by simulated workers has no state a real
-            # trainer could load: it stays simulated here too rather than silently going back to
-            # an older real checkpoint or step 0. And a job that spans a node playing its
+        if self._simulates(payload) or (_runs_reference(payload) and (
+                resumes_simulated(run_dir) or _spans_simulated_node(self.runs_dir, payload))):
+            # A reference job whose newest checkpoint was saved by simulated workers has no state
+            # a real trainer could load: it stays simulated here too rather than silently going
+            # back to an older real checkpoint or step 0. And one that spans a node playing its
             # workers would wait for ever for that node's ranks at the rendezvous: the leader
-            # here plays all of it instead (test beds only: production never simulates).
+            # here plays all of it instead (test beds only: production never simulates). A
+            # researcher's own script is never played, so it runs for real on every node it
+            # holds, simulated ones included, and its ranks meet at the rendezvous.
             worker = SimulatedJob(handle, run_dir, payload, self.time_scale)
         else:
             worker = TorchrunJob(handle, self.runs_dir, payload, self.python, self.node, self.device,
@@ -626,8 +629,7 @@ class NodeAgent:
         reference workload is simulated; a researcher's own script cannot be, and runs for real."""
         if "placement" not in payload:
             return True
-        entrypoint = list((payload.get("workload") or {}).get("entrypoint") or launch.REFERENCE_ENTRYPOINT)
-        return self.simulated_workers and entrypoint[:2] == list(launch.REFERENCE_ENTRYPOINT)
+        return self.simulated_workers and _runs_reference(payload)
 
     def shipper_finish(self, worker: TorchrunJob) -> None:
         if self.shipper is not None:
@@ -725,8 +727,14 @@ def _note_simulated_node(runs_dir: Path, node: str) -> None:
         pass
 
 
+def _runs_reference(payload: dict[str, Any]) -> bool:
+    """Whether the job runs the reference trainer (the workload simulated agents can play)."""
+    entrypoint = list((payload.get("workload") or {}).get("entrypoint") or launch.REFERENCE_ENTRYPOINT)
+    return entrypoint[:2] == list(launch.REFERENCE_ENTRYPOINT)
+
+
 def _spans_simulated_node(runs_dir: Path, payload: dict[str, Any]) -> bool:
-    """Whether another node of the job's placement plays its workers (``_note_simulated_node``)."""
+    """Whether a node of the job's placement plays its workers (``_note_simulated_node``)."""
     return any((runs_dir / SIMULATED_NODES_DIR / launch.safe_name(str(entry.get("node")))).exists()
                for entry in payload.get("placement") or [] if entry.get("gpus"))
 

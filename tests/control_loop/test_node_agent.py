@@ -204,6 +204,38 @@ def test_a_real_leader_of_a_job_that_spans_a_simulated_node_plays_all_of_it(tmp_
     assert launched == ["SimulatedJob", "TorchrunJob"]
 
 
+def test_a_researchers_script_runs_for_real_on_a_simulated_node_too(tmp_path, monkeypatch):
+    """Simulated agents play only the reference trainer. A researcher's own script (here a
+    signal-mode one) runs for real wherever it lands: alone on a simulated node, across a real
+    and a simulated node (both run it, so the ranks meet at the rendezvous), and after a run of
+    it that an older agent had played (a stale simulated checkpoint). It used to be played on any
+    node noted as simulated, and the demo showed it completed without ever starting the script."""
+    launched = []
+
+    async def launch(self, dp):
+        launched.append((self.handle.job, type(self).__name__))
+
+    monkeypatch.setattr(workers.TorchrunJob, "launch", launch)
+    monkeypatch.setattr(workers.SimulatedJob, "launch", launch)
+    agent_node._note_simulated_node(tmp_path, "s1")
+    simulated = NodeAgent("http://127.0.0.1:9", "token", node="s1", gpus=GpuInventory(2), runs_dir=tmp_path,
+                          simulated_workers=True)
+    real = NodeAgent("http://127.0.0.1:9", "token", node="r1", gpus=GpuInventory(1), runs_dir=tmp_path)
+    script = {"entrypoint": ["train.py"], "integration": "signal"}
+    reference = {"entrypoint": ["-m", "trainer_agent.reference"], "integration": "omni"}
+    on_s1 = [{"node": "s1", "gpus": [0], "address": "127.0.0.1"}]
+    across = [{"node": "r1", "gpus": [0], "address": "127.0.0.1"}, {"node": "s1", "gpus": [1], "address": "127.0.0.1"}]
+    asyncio.run(simulated._launch("mine", _payload(job="mine", run_id="mine-1", workload=script, placement=on_s1)))
+    asyncio.run(simulated._launch("ref", _payload(job="ref", run_id="ref-1", workload=reference, placement=on_s1)))
+    asyncio.run(real._launch("wide", _payload(job="wide", run_id="wide-1", dp=2, workload=script, placement=across)))
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "stale" / workers.SIM_CHECKPOINT).write_text('{"step": 40, "dp": 1}')
+    asyncio.run(real._launch("stale", _payload(job="stale", run_id="stale-2", workload=script,
+                                                placement=[{"node": "r1", "gpus": [0], "address": "127.0.0.1"}])))
+    assert launched == [("mine", "TorchrunJob"), ("ref", "SimulatedJob"), ("wide", "TorchrunJob"),
+                        ("stale", "TorchrunJob")]
+
+
 def test_the_record_buffer_drops_the_oldest_and_counts_them(tmp_path, monkeypatch):
     agent = _agent(tmp_path)
     agent.records_out = agent_node.collections.deque(maxlen=5)
