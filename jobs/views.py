@@ -273,6 +273,17 @@ def _job_for(request: HttpRequest, pk: int) -> Job:
     return job
 
 
+def _ended(job: Job) -> dict[str, Any] | None:
+    """For a finished job's page, in place of an ETA: how long it took from submission, and how
+    long of that it ran (from its first start); None while it has not ended."""
+    if not job.is_terminal or job.finished_at is None:
+        return None
+    began = job.first_started_at
+    return {"state": job.get_state_display().lower(), "at": job.finished_at,
+            "took": human_duration((job.finished_at - job.submitted_at).total_seconds()),
+            "ran": human_duration((job.finished_at - began).total_seconds()) if began else None}
+
+
 @require_GET
 @any_role
 def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
@@ -328,6 +339,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "eta": human_duration(seconds_left),
         "eta_measured": measured,
         "step_s": rhythm or job.step_s,
+        "ended": _ended(job),
         "range_key": range_key,
         "ranges": list(RANGES),
         "chart": chart,

@@ -536,3 +536,20 @@ def test_every_page_names_its_icon_and_the_icon_is_a_static_file():
     assert match, "the login page names no icon"
     found = finders.find(match.group(1))
     assert found and "<svg" in Path(found).read_text()
+
+
+def test_a_finished_jobs_page_says_how_long_it_took_instead_of_an_eta(researcher, cluster, make_job):
+    """A finished job has no ETA: its card says how long it took from submission, and how long
+    it ran from its first start (or that it never started). A live job keeps its ETA."""
+    client = client_for(researcher)
+    live = make_job(name="live", dp=1)
+    actions.cancel_job(cluster["mine"], researcher)
+    actions.cancel_job(cluster["waiting"], researcher)
+    ran = client.get(reverse("job-page", args=[cluster["mine"].pk])).content.decode()
+    never = client.get(reverse("job-page", args=[cluster["waiting"].pk])).content.decode()
+    for body in (ran, never):
+        assert 'id="job-ended"' in body and "from submission to cancelled" in body
+        assert "ETA at" not in body
+    assert "from its first start" in ran and "it never started" in never
+    body = client.get(reverse("job-page", args=[live.pk])).content.decode()
+    assert "ETA at" in body and 'id="job-ended"' not in body
