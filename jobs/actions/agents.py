@@ -32,7 +32,7 @@ from jobs.actions.commands import (
     write_stop_commands,
 )
 from jobs.audit import record_event
-from jobs.models import Allocation, AllocationSpan, Command, Job, JobState, Node, NodeState
+from jobs.models import Allocation, AllocationSpan, Command, Integration, Job, JobState, Node, NodeState
 from jobs.models.commands import CommandState
 from jobs.vocab import CommandKind, EventKind
 
@@ -259,9 +259,13 @@ def _complete(job: Job, actor: str, outcome: dict[str, Any]) -> None:
     fields += job.transition_to(JobState.COMPLETED)
     job.save(update_fields=sorted({*fields, "committed_steps"}))
     nodes = release_allocations(job)
+    # An ``omni`` run saves its last step as it ends, so the row names it as a checkpoint (the
+    # job page's table, ``live_data.checkpoint_of``); a signal-mode script's saves are its own,
+    # which Omni never sees, so its row says only how far it went.
+    done = {"step": job.committed_steps} if job.integration == Integration.OMNI else {"steps": job.committed_steps}
     record_event(EventKind.COMPLETE, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before,
                  gpus_after=0, dp_before=job.dp, global_batch=job.global_batch,
-                 outcome={"step": job.committed_steps},
+                 outcome=done,
                  reason={"rule": "complete", "text": f"{job.name} finished at step {job.committed_steps}.",
                          "inputs": {}})
 

@@ -337,3 +337,29 @@ def test_a_stop_acknowledged_but_never_done_expires_with_its_reason(boss, settin
     stop.refresh_from_db()
     assert stop.state == CommandState.EXPIRED and "never reported done" in stop.error
     assert not ElasticEvent.objects.filter(job=job, kind=EventKind.FAIL).exists()  # a stop is no launch
+
+
+@pytest.mark.django_db
+def test_a_completion_names_a_checkpoint_only_for_a_run_omni_saw_save(boss):
+    """An ``omni`` run saves its last step as it ends; a signal-mode script's saves are its own.
+    So only the first's ``complete`` row says "checkpoint at step N" and fills the job page's
+    checkpoints table; the second's says how far it went."""
+    from jobs.live_data import job_checkpoints
+    from jobs.live_events import describe_event
+
+    _nodes("n1", "n2")
+    omni = _placed(boss, "omni-run")
+    actions.submit_job(boss, name="script", priority="best_effort", dp=1, dp_min=1, dp_max=1, global_batch=16,
+                       micro_batch=2, total_steps=100, step_s=1.0, integration="signal", entrypoint=["train.py"])
+    actions.run_planner_pass("test")
+    script = Job.objects.get(name="script")
+    assert script.state == JobState.RUNNING
+    for job in (omni, script):
+        node = Node.objects.get(pk=_start(job).node_id)
+        actions.record_worker_exit(node, job.name, {"outcome": "completed", "run_id": job.run_id, "leader": True,
+                                                    "step": 100 if job is omni else None})
+    rows = {e.job.name: e for e in ElasticEvent.objects.filter(kind=EventKind.COMPLETE).select_related("job")}
+    assert describe_event(rows["omni-run"]).endswith("checkpoint at step 100.")
+    assert "checkpoint" not in describe_event(rows["script"]) and rows["script"].outcome == {"steps": 100}
+    assert [c["step"] for c in job_checkpoints(Job.objects.get(name="omni-run"))] == [100]
+    assert job_checkpoints(Job.objects.get(name="script")) == []
