@@ -267,7 +267,13 @@ def load_spec(path: Path) -> dict[str, Any]:
     base = Path(os.path.abspath(path)).parent  # not resolve(): a shared mount keeps its name
     entrypoint = spec.get("entrypoint")
     if entrypoint and entrypoint[0].endswith(".py") and not os.path.isabs(entrypoint[0]):
-        spec["entrypoint"] = [os.path.normpath(base / entrypoint[0]), *entrypoint[1:]]
+        script = os.path.normpath(base / entrypoint[0])
+        if not os.path.isfile(script):
+            # Caught here, not as a rank's "can't open file" once the job has waited for GPUs.
+            # An absolute path is left to the agents: it may be on storage only they mount.
+            refuse("entrypoint", f"{entrypoint[0]}: no such file ({script}; a relative script is "
+                   "found from the job file's directory)")
+        spec["entrypoint"] = [script, *entrypoint[1:]]
     if spec.get("workdir") and not os.path.isabs(spec["workdir"]):
         spec["workdir"] = os.path.normpath(base / spec["workdir"])
     return spec

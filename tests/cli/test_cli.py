@@ -91,9 +91,19 @@ def test_a_wrong_type_names_its_line_and_field(tmp_path, line, words):
 def test_a_relative_script_and_workdir_are_resolved_from_the_files_directory(tmp_path):
     job = write(tmp_path / "proj" / "jobs" / "job.toml",
                 GOOD + 'entrypoint = ["../train.py", "--config", "sft.yaml"]\nworkdir = "."\n')
+    write(tmp_path / "proj" / "train.py", "print('training')\n")
     spec = cli.load_spec(job)
     assert spec["entrypoint"] == [str(tmp_path / "proj" / "train.py"), "--config", "sft.yaml"]
     assert spec["workdir"] == str(tmp_path / "proj" / "jobs")
+
+
+def test_a_relative_script_that_is_not_there_is_refused_before_submitting(runner, tmp_path):
+    """Not a job that waits for GPUs and then fails with the rank's "can't open file"."""
+    job = write(tmp_path / "job.toml", GOOD + 'entrypoint = ["trian.py"]\n')
+    write(tmp_path / "train.py", "print('training')\n")
+    result = runner.invoke(cli.main, ["submit", str(job)])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert f"{job}: line 7: entrypoint: trian.py: no such file ({tmp_path / 'trian.py'};" in result.stderr
 
 
 def test_modules_absolute_paths_and_executables_are_left_as_written(tmp_path):
