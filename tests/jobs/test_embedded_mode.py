@@ -103,3 +103,21 @@ def test_seed_demo_builds_the_cluster_through_actions(db, capsys):
     assert verify_chain().ok
     call_command("seed_demo")  # idempotent
     assert Node.objects.count() == 32
+
+
+def test_the_demo_story_plays_once_per_database(db):
+    """``make demo`` on a database whose story has played (its critical job has run) serves the
+    cluster as it is and says how to start afresh, rather than announcing a loan, a reclaim and
+    a resume that will not come again; the static seed has no story job and is unaffected."""
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    from jobs.management.commands.demo import STORY_CRITICAL_JOB, story_played
+    from jobs.models import Job
+
+    call_command("seed_demo", "--story")
+    assert not story_played()
+    Job.objects.filter(name=STORY_CRITICAL_JOB).update(first_started_at=timezone.now())
+    assert story_played()
+    Job.objects.filter(name=STORY_CRITICAL_JOB).update(name="another-7b")  # a cluster without the story's job
+    assert not story_played()

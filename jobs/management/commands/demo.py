@@ -42,6 +42,7 @@ STEP_GAP_S = 25  # at least this long between two steps
 WARNING_S = 15  # an announced step the director makes itself (the failure) happens this long after
 RECLAIM_ANNOUNCE_S = 75  # the reclaim is announced this long before the window opens (it starts ~35 s before)
 WATCH_TIMEOUT_S = 240  # how long to wait for the planner's part of a step before moving on
+STORY_CRITICAL_JOB = "omni-7b"  # seed_demo --story's critical job, whose window the story is about
 
 
 def _answers(host: str, port: int) -> bool:
@@ -50,6 +51,17 @@ def _answers(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def story_played() -> bool:
+    """Whether the seeded story's critical job has already run: the loan, the reclaim before its
+    window and the borrowers' resume are then behind this database, not ahead of it. False for a
+    cluster without the story's job (``seed_demo`` without ``--story``)."""
+    from jobs.models import Job
+
+    played = Job.objects.filter(name=STORY_CRITICAL_JOB, first_started_at__isnull=False).exists()
+    close_old_connections()
+    return played
 
 
 def _torch_available() -> bool:
@@ -178,6 +190,12 @@ class Director:
 
     def _story(self, nodes: list[tuple[str, str, int]], torch_names: set[str]) -> None:
         """The steps, each announced, then watched for in the audit log, at least STEP_GAP_S apart."""
+        if story_played():
+            self.say("this database has played the story before (omni-7b has already run), so its steps "
+                     "would not happen again: the cluster is served as it is, with its agents. For the story "
+                     "from the start, stop (Ctrl-C) and run `make clean demo` (it removes var/: the embedded "
+                     "database and the demo's run dirs).")
+            return
         window = self._next_window()
         mark = self._last_id()
         self.step(1, "a loan", "As the agents connect, the planner places the regular jobs on general GPUs and "
