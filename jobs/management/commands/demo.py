@@ -59,9 +59,7 @@ def story_played() -> bool:
     cluster without the story's job (``seed_demo`` without ``--story``)."""
     from jobs.models import Job
 
-    played = Job.objects.filter(name=STORY_CRITICAL_JOB, first_started_at__isnull=False).exists()
-    close_old_connections()
-    return played
+    return Job.objects.filter(name=STORY_CRITICAL_JOB, first_started_at__isnull=False).exists()
 
 
 def _torch_available() -> bool:
@@ -190,7 +188,9 @@ class Director:
 
     def _story(self, nodes: list[tuple[str, str, int]], torch_names: set[str]) -> None:
         """The steps, each announced, then watched for in the audit log, at least STEP_GAP_S apart."""
-        if story_played():
+        played = story_played()
+        close_old_connections()  # the director's thread: its connection is not the request cycle's
+        if played:
             self.say("this database has played the story before (omni-7b has already run), so its steps "
                      "would not happen again: the cluster is served as it is, with its agents. For the story "
                      "from the start, stop (Ctrl-C) and run `make clean demo` (it removes var/: the embedded "
