@@ -112,12 +112,14 @@ def test_the_demo_story_plays_once_per_database(db):
     from django.core.management import call_command
     from django.utils import timezone
 
-    from jobs.management.commands.demo import STORY_CRITICAL_JOB, story_played
-    from jobs.models import Job
+    from jobs.management.commands.demo import STORY_CRITICAL_JOB, no_agents_because, story_played
+    from jobs.models import Job, Node
 
     call_command("seed_demo", "--story")
-    assert not story_played()
+    assert not story_played() and no_agents_because() is None
     Job.objects.filter(name=STORY_CRITICAL_JOB).update(first_started_at=timezone.now())
     assert story_played()
     Job.objects.filter(name=STORY_CRITICAL_JOB).update(name="another-7b")  # a cluster without the story's job
     assert not story_played()
+    Node.objects.update(state="failed")  # an earlier run's agents all went silent: said, not silence
+    assert "Every node of this database is failed" in no_agents_because()

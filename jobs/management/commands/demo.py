@@ -53,6 +53,14 @@ def _answers(host: str, port: int) -> bool:
         return False
 
 
+def no_agents_because() -> str | None:
+    """Why the demo starts no agents on this database (every node failed), or None."""
+    if Node.objects.exclude(state=NodeState.FAILED).exists():
+        return None
+    return ("Every node of this database is failed (an earlier run's agents went silent), so no agents "
+            "start and no story plays; `make clean demo` starts afresh (it removes var/).")
+
+
 def story_played() -> bool:
     """Whether the seeded story's critical job has already run: the loan, the reclaim before its
     window and the borrowers' resume are then behind this database, not ahead of it. False for a
@@ -316,8 +324,10 @@ class Command(BaseCommand):
         # The story's lines are what a newcomer reads here: no "task succeeded" line between them.
         logging.getLogger("celery.app.trace").setLevel(logging.WARNING)
         director = None
-        healthy = Node.objects.exclude(state=NodeState.FAILED).exists()
-        if not no_agents and healthy:
+        blocked = None if no_agents else no_agents_because()
+        if blocked:
+            self.stdout.write(f"  {blocked}")
+        elif not no_agents:
             director = Director(host, port, torch_nodes, fail_after, self.stdout)
             director.start()
         try:
