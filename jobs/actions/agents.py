@@ -262,10 +262,10 @@ def _complete(job: Job, actor: str, outcome: dict[str, Any]) -> None:
     # An ``omni`` run saves its last step as it ends, so the row names it as a checkpoint (the
     # job page's table, ``live_data.checkpoint_of``); a signal-mode script's saves are its own,
     # which Omni never sees, so its row says only how far it went.
-    done = {"step": job.committed_steps} if job.integration == Integration.OMNI else {"steps": job.committed_steps}
+    reached = {"step" if job.integration == Integration.OMNI else "steps": job.committed_steps}
     record_event(EventKind.COMPLETE, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before,
                  gpus_after=0, dp_before=job.dp, global_batch=job.global_batch,
-                 outcome=done,
+                 outcome=reached,
                  reason={"rule": "complete", "text": f"{job.name} finished at step {job.committed_steps}.",
                          "inputs": {}})
 

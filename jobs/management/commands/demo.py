@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from jobs.live_events import describe_event
 from jobs.management.commands.seed_demo import DEMO_PASSWORD, DEMO_USERS
-from jobs.models import Allocation, ElasticEvent, EventKind, Node, NodeState, Reservation
+from jobs.models import Allocation, ElasticEvent, EventKind, Job, Node, NodeState, Reservation
 
 ROOT = Path(settings.BASE_DIR)
 SEPARATE_SIMULATED_AGENTS = 6
@@ -65,8 +65,6 @@ def story_played() -> bool:
     """Whether the seeded story's critical job has already run: the loan, the reclaim before its
     window and the borrowers' resume are then behind this database, not ahead of it. False for a
     cluster without the story's job (``seed_demo`` without ``--story``)."""
-    from jobs.models import Job
-
     return Job.objects.filter(name=STORY_CRITICAL_JOB, first_started_at__isnull=False).exists()
 
 
@@ -79,11 +77,12 @@ def _torch_available() -> bool:
 class Director:
     """Starts the agents and plays the scripted node failure; stops every process it started."""
 
-    def __init__(self, host: str, port: int, torch_nodes: int, fail_after_s: float, out) -> None:
+    def __init__(self, host: str, port: int, torch_nodes: int, fail_after_s: float, out, story: bool = True) -> None:
         self.host = host
         self.port = port
         self.torch_nodes = torch_nodes if _torch_available() else 0
         self.fail_after_s = fail_after_s
+        self.story = story  # False: start the agents only (the story has played on this database)
         self.out = out
         self.dir = Path(settings.VAR_DIR) / "demo"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -192,18 +191,11 @@ class Director:
             ])
         kinds = f"{len(torch_names)} with real torch workers, {len(nodes) - len(torch_names)} simulated"
         self.say(f"started agents for {len(nodes)} nodes ({kinds}); logs in {self.dir}")
-        self._story(nodes, torch_names)
+        if self.story:
+            self._story(nodes, torch_names)
 
     def _story(self, nodes: list[tuple[str, str, int]], torch_names: set[str]) -> None:
         """The steps, each announced, then watched for in the audit log, at least STEP_GAP_S apart."""
-        played = story_played()
-        close_old_connections()  # the director's thread: its connection is not the request cycle's
-        if played:
-            self.say("this database has played the story before (omni-7b has already run), so its steps "
-                     "would not happen again: the cluster is served as it is, with its agents. For the story "
-                     "from the start, stop (Ctrl-C) and run `make clean demo` (it removes var/: the embedded "
-                     "database and the demo's run dirs).")
-            return
         window = self._next_window()
         mark = self._last_id()
         self.step(1, "a loan", "As the agents connect, the planner places the regular jobs on general GPUs and "
@@ -328,7 +320,13 @@ class Command(BaseCommand):
         if blocked:
             self.stdout.write(f"  {blocked}")
         elif not no_agents:
-            director = Director(host, port, torch_nodes, fail_after, self.stdout)
+            story = not story_played()
+            if not story:
+                self.stdout.write(f"  This database has played the story before ({STORY_CRITICAL_JOB} has already run), "
+                                  "so its steps would not happen again: the cluster is served as it is, with its "
+                                  "agents. For the story from the start, stop (Ctrl-C) and run `make clean demo` (it "
+                                  "removes var/: the embedded database and the demo's run dirs).")
+            director = Director(host, port, torch_nodes, fail_after, self.stdout, story=story)
             director.start()
         try:
             call_command("serve", host=host, port=port)
