@@ -28,6 +28,8 @@ JOIN_TIMEOUT_S = 300
 # new layout's gradient noise settles before the full rate (docs/rhythm.md).
 CALIBRATION_STEPS = 5
 
+METRICS_FILE = "metrics.jsonl"  # in the run dir; trainer_agent.runtime writes the same name
+
 RESERVED_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
@@ -106,6 +108,9 @@ def rank_env(payload: dict[str, Any], node: str, paths: RunPaths, base: dict[str
         "OMNI_NODE": node,
         "OMNI_RUN_ID": payload["run_id"],
         "OMNI_RUN_DIR": str(paths.run_dir),
+        # Where rank 0 appends one JSON line per step; the leader's agent forwards them. A
+        # signal-mode script may write ``{"step": N, "step_s": S}`` there too (docs/workloads.md).
+        "OMNI_METRICS_FILE": str(paths.run_dir / METRICS_FILE),
         "OMNI_CHECKPOINT_DIR": str(paths.checkpoint_dir),
         "OMNI_LOG_DIR": str(paths.log_dir),
         "OMNI_RANK_STATE_DIR": str(paths.state_dir),

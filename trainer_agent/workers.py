@@ -96,6 +96,10 @@ class TorchrunJob:
             directory.mkdir(parents=True, exist_ok=True)
         if self.handle.leader:
             (paths.run_dir / "exit.json").unlink(missing_ok=True)
+            if self.integration == "signal":
+                # A signal-mode script's step lines are its own, run by run: the last run's would
+                # read as this one's progress (an omni run trims the file to its checkpoint itself).
+                (paths.run_dir / launch.METRICS_FILE).unlink(missing_ok=True)
         env = launch.rank_env(self.payload, self.node, paths, dict(os.environ), device=self.device,
                               log_cap_bytes=self.log_cap_bytes)
         argv = launch.torchrun_argv(self.payload, self.node, self.python)
@@ -171,7 +175,7 @@ class TorchrunJob:
         the file may be rewritten when a run resumes)."""
         if not self.handle.leader:
             return []
-        path = self.run_dir / "metrics.jsonl"
+        path = self.run_dir / launch.METRICS_FILE
         try:
             stat = path.stat()
         except FileNotFoundError:

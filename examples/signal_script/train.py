@@ -11,6 +11,10 @@ The next launch resumes from that checkpoint. Everything is a pure function of t
 step, so a run preempted and resumed ends with exactly the weights of an uninterrupted one (at
 the same number of ranks).
 
+Progress, optionally and still without an import: when ``$OMNI_METRICS_FILE`` is set, rank 0
+appends one JSON line per step to it (``{"step": N, "step_s": S, "loss": L}``); the node agent
+forwards them, and the job page shows the steps, the measured rhythm and an ETA from them.
+
 Options for trying the failure paths: ``--fail-at-step N --fail-rank R`` raises on one rank;
 ``--ignore-sigterm`` keeps training through SIGTERM (the agent kills it after ``grace_s``).
 """
@@ -104,7 +108,11 @@ def main() -> int:
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
 
+    # Optional progress for Omni: one JSON line per step (docs/workloads.md, "Progress").
+    metrics_path = os.environ.get("OMNI_METRICS_FILE")
+    metrics = open(metrics_path, "a", encoding="utf-8") if metrics_path and rank == 0 else None  # noqa: SIM115
     loss = torch.tensor(0.0)
+    began = time.monotonic()
     for step in range(start + 1, args.steps + 1):
         x, y = batch(step, args.global_batch, rank, world)
         optimizer.zero_grad()
@@ -116,6 +124,11 @@ def main() -> int:
         time.sleep(args.step_s)
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
+        if metrics is not None:
+            now = time.monotonic()
+            metrics.write(json.dumps({"step": step, "step_s": round(now - began, 4), "loss": loss.item()}) + "\n")
+            metrics.flush()
+            began = now
         stop = torch.tensor([1.0 if STOP["asked"] else 0.0])
         dist.all_reduce(stop)
         if stop.item() > 0 and step < args.steps:

@@ -9,7 +9,8 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from jobs.models import Allocation, Job, JobState
+from jobs.models import Allocation, Integration, Job, JobState
+from jobs.planner.wording import duration_words
 from omniweb.celery import app
 
 control_logger = logging.getLogger("jobs.control")
@@ -45,6 +46,22 @@ def lose_unsaved_steps(job: Job) -> int:
     lost = max(0, job.committed_steps - job.last_checkpoint_step)
     job.committed_steps = job.last_checkpoint_step
     return lost
+
+
+def lost_facts(job: Job, lost: int) -> tuple[dict[str, Any], str]:
+    """What a kill or a fault cost ``job`` once its progress was rolled back (``lost`` steps), as
+    far as Omni can tell: the audit outcome's facts and a clause for its sentence. An ``omni``
+    job resumes from its last checkpoint. A ``signal`` job's checkpoints are its own: the steps
+    it reported were not saved where Omni can see, so the cost is the time since its last start,
+    and its progress shows again as the next run reports steps (docs/workloads.md)."""
+    if job.integration != Integration.SIGNAL:
+        return ({"steps_lost": lost, "resume_from_step": job.last_checkpoint_step},
+                f"{lost} steps lost (resumes from step {job.last_checkpoint_step})")
+    ran_s = max(0.0, (timezone.now() - job.started_at).total_seconds()) if job.started_at else 0.0
+    reported = f" (it had reported step {lost})" if lost else ""
+    return ({"time_lost_s": round(ran_s, 1), "steps_reported": lost},
+            f"its script resumes from its own last save, which Omni cannot see: up to {duration_words(ran_s)} "
+            f"of work since its last start may be lost{reported}")
 
 
 def kill_and_release(job: Job) -> int:

@@ -19,6 +19,7 @@ from jobs.actions._common import (
     control_logger,
     job_nodes,
     lose_unsaved_steps,
+    lost_facts,
     note_checkpoint,
     release_allocations,
     trigger_plan,
@@ -341,7 +342,7 @@ def _fail_or_restart(job: Job, node: Node, actor: str, outcome: dict[str, Any]) 
     limit = f"no restarts left ({job.max_restarts} allowed)" if job.max_restarts else "max_restarts is 0"
     record_event(EventKind.FAIL, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before, gpus_after=0,
                  dp_before=job.dp, global_batch=job.global_batch,
-                 outcome={"failure": failure, "steps_lost": lost, "restarts": job.restarts},
+                 outcome={"failure": failure, **lost_facts(job, lost)[0], "restarts": job.restarts},
                  reason={"rule": "script_failed", "text": f"{words}; {limit}: the job failed, the other ranks "
                          "were stopped and its GPUs released.", "inputs": {"max_restarts": job.max_restarts}})
 

@@ -32,6 +32,7 @@ from jobs.actions._common import (
     job_nodes,
     kill_and_release,
     lose_unsaved_steps,
+    lost_facts,
     note_checkpoint,
     release_allocations,
     trigger_plan,
@@ -439,8 +440,7 @@ def _preempt_done(o: _Outcome) -> None:
         text = (f"{job.name}: the ranks did not exit within grace_s {job.grace_s:g} s of SIGTERM; SIGKILL. "
                 f"Omni cannot see this job's checkpoints, so all {ran_s:.0f} s of work since its last start "
                 "may be lost; GPUs released.")
-        o.audit(EventKind.KILL, rule="grace_expired", text=text,
-                extra={"steps_lost": lost, "time_lost_s": round(ran_s, 1)}, nodes_before=nodes,
+        o.audit(EventKind.KILL, rule="grace_expired", text=text, extra=lost_facts(job, lost)[0], nodes_before=nodes,
                 gpus_before=o.gpus_before, gpus_after=0)
         return
     o.audit(EventKind.KILL, rule="checkpoint_failed", text=o.text + f"; {lost} steps lost",
@@ -546,6 +546,7 @@ def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None
     the planner recovers it. Returns the steps lost."""
     gpus_before = job.allocations.count()
     lost = lose_unsaved_steps(job)
+    facts, clause = lost_facts(job, lost)
     job.save(update_fields=[*job.transition_to(JobState.RECOVERING), "committed_steps"])
     nodes = job_nodes(job)
     survivors = list(Node.objects.filter(name__in=nodes).exclude(state=NodeState.FAILED))
@@ -555,10 +556,16 @@ def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None
     record_event(kind, job=job, actor=actor, command=command.id if command else None, refers_to=refers_to,
                  nodes_before=nodes, gpus_before=gpus_before, gpus_after=0, dp_before=job.dp,
                  global_batch=job.global_batch,
-                 outcome={"steps_lost": lost, "resume_from_step": job.last_checkpoint_step, **(extra or {})},
-                 reason={"rule": "fault", "text": f"{text}; {job.name} recovers from step "
-                         f"{job.last_checkpoint_step} ({lost} steps lost).", "inputs": {}})
+                 outcome={**facts, **(extra or {})},
+                 reason={"rule": "fault", "text": f"{text}; {_recovers(job, lost, clause)}.", "inputs": {}})
     return lost
+
+
+def _recovers(job: Job, lost: int, clause: str) -> str:
+    """How a faulted job goes on, for the fault's sentence (``clause``: ``lost_facts``)."""
+    if job.integration == Integration.SIGNAL:
+        return f"{job.name} starts again: {clause}"
+    return f"{job.name} recovers from step {job.last_checkpoint_step} ({lost} steps lost)"
 
 
 # -- expiry and retry ------------------------------------------------------------------------
@@ -640,15 +647,14 @@ def _expire(command: Command, why: str, *, any_node: bool = False) -> None:
     if command.kind == CommandKind.PREEMPT and job.state == JobState.CHECKPOINTING:
         nodes = job_nodes(job)
         gpus_before = job.allocations.count()
-        lost = kill_and_release(job)
+        facts, clause = lost_facts(job, kill_and_release(job))
         stopped = list(Node.objects.filter(name__in=nodes))
         write_stop_commands(job, stopped)
         dispatch_on_commit({n.id for n in stopped})
         record_event(EventKind.KILL, job=job, actor=actor, command=command.id, refers_to=decision,
-                     nodes_before=nodes, gpus_before=gpus_before, gpus_after=0,
-                     outcome={"steps_lost": lost, "resume_from_step": job.last_checkpoint_step},
-                     reason={"rule": "deadline", "text": f"{job.name}: {why}; killed, GPUs released, "
-                             f"{lost} steps lost (resumes from step {job.last_checkpoint_step}).", "inputs": {}})
+                     nodes_before=nodes, gpus_before=gpus_before, gpus_after=0, outcome=facts,
+                     reason={"rule": "deadline", "text": f"{job.name}: {why}; killed, GPUs released, {clause}.",
+                             "inputs": {}})
     elif command.kind in LAUNCH_COMMANDS and job.state in (JobState.RUNNING, JobState.RESIZING) and current_run:
         record_job_fault(job, actor, f"{command.kind} of {job.name} on {command.node.name} expired: {why}",
                          command=command, refers_to=decision)

@@ -21,7 +21,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from jobs.actions._common import PLANNER_ACTOR, actor_name, describe_changes, kill_and_release
+from jobs.actions._common import PLANNER_ACTOR, actor_name, describe_changes, kill_and_release, lost_facts
 from jobs.actions.commands import dispatch_on_commit, nodes_in_order, write_commands
 from jobs.audit import record_event
 from jobs.models import Allocation, Command, Job, JobState, Node, PlannerControl, PlannerRun, Reservation
@@ -326,8 +326,8 @@ def _preempt(a: _Applying, *, event: EventKind = EventKind.PREEMPT) -> int:
         leader_command = write_commands(job, CommandKind.PREEMPT, before, nodes, leader=leader,
                                         deadline_at=deadline_at)
     else:
-        lost = kill_and_release(job)
-        move.reason = {**move.reason, "inputs": {**move.reason.get("inputs", {}), "steps_lost": lost}}
+        facts, _ = lost_facts(job, kill_and_release(job))
+        move.reason = {**move.reason, "inputs": {**move.reason.get("inputs", {}), **facts}}
         event = EventKind.KILL
         leader_command = write_commands(job, CommandKind.STOP, before, nodes, leader=leader, extra={"kill": True})
     return _record_decision(a, move, event, leader_command, len(nodes_in_order(before)))

@@ -98,6 +98,10 @@ def test_plain_ddp_script_on_two_nodes_is_drained_by_sigterm_and_resumes_to_the_
     assert sorted(sum(ranks.values(), [])) == [0, 1, 2, 3]
     wait_for(lambda: "step 5 " in run_output(run_dir), 120, "training steps")
     assert len(rank_pids("ddp")) >= 4
+    # The script reports its steps through $OMNI_METRICS_FILE (no import): progress and rhythm.
+    wait_for(lambda: Job.objects.get(pk=job.pk).committed_steps >= 5, 60, "the script's steps as the job's progress")
+    rhythm = wait_for(lambda: measured_rhythm_of(job.pk), 60, "a step time measured from the script's lines")
+    assert 0.2 < rhythm["mean_step_s"] < 5.0
 
     # Drain a node: the job is not elastic, so it is preempted (SIGTERM on both nodes).
     actions.drain_node(Node.objects.get(name="n2"), boss)
@@ -109,10 +113,18 @@ def test_plain_ddp_script_on_two_nodes_is_drained_by_sigterm_and_resumes_to_the_
     assert "SIGTERM: checkpoint at step" in run_output(run_dir)
     assert (run_dir / "checkpoints" / "ckpt.pt").exists()
 
+    reported = Job.objects.get(pk=job.pk).committed_steps
+    assert reported >= 5  # a graceful stop keeps the progress the script reported
+
     actions.uncordon_node(Node.objects.get(name="n2"), boss)
     wait_for(lambda: Job.objects.get(pk=job.pk).state == "completed", 240, "the job to resume and complete")
     assert Job.objects.get(pk=job.pk).run_id != run_id  # a new run, a new rendezvous
-    assert "resumed from step" in run_output(run_dir)
+    resumed = int(re.search(r"resumed from step (\d+)", run_output(run_dir)).group(1))
+    assert resumed >= 5
+    # The agent removed the first run's lines before the second began: its file starts where it resumed.
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == resumed + 1 and lines[-1]["step"] == 40
+    assert Job.objects.get(pk=job.pk).committed_steps == 40
     result = json.loads((run_dir / "checkpoints" / "result.json").read_text())
 
     # The same script, uninterrupted, with plain torchrun: the same weights, bit for bit.
@@ -132,6 +144,15 @@ def test_plain_ddp_script_on_two_nodes_is_drained_by_sigterm_and_resumes_to_the_
     assert not rank_pids("ddp")
 
 
+def measured_rhythm_of(pk: int) -> dict | None:
+    """The job's measured rhythm as the API shows it, once it has a step time."""
+    from jobs.live_data import rhythm_summary
+    from jobs.models import Job
+
+    summary = rhythm_summary(Job.objects.get(pk=pk))
+    return summary if summary and summary.get("mean_step_s") else None
+
+
 def test_a_script_that_ignores_sigterm_is_killed_after_its_grace_and_the_audit_says_so(control_cluster, boss):
     from jobs import actions
     from jobs.models import ElasticEvent, EventKind, Job, Node
@@ -148,7 +169,10 @@ def test_a_script_that_ignores_sigterm_is_killed_after_its_grace_and_the_audit_s
     assert "did not exit within grace_s 3 s of SIGTERM" in kill.reason["text"]
     assert kill.outcome["time_lost_s"] > 0 and kill.outcome["killed"] is True
     assert 3.0 <= kill.outcome["exit_s"] < 10.0
+    # It had reported its steps; Omni cannot see its saves, so none are claimed kept or lost.
+    assert kill.outcome["steps_reported"] >= 3 and "steps_lost" not in kill.outcome
     assert Job.objects.get(pk=job.pk).state == "preempted"
+    assert Job.objects.get(pk=job.pk).committed_steps == 0
     wait_for(lambda: not rank_pids("stubborn"), 10, "no rank process left after the kill")
 
 
@@ -171,6 +195,8 @@ def test_a_crashing_script_restarts_up_to_max_restarts_then_fails_with_its_trace
     restart = ElasticEvent.objects.get(kind=EventKind.RESTART, job_name="crashy")
     assert re.search(r"rank 1 on n1 exited with (code (1|134)|signal 6) ", restart.reason["text"])
     assert "restart 1 of 1" in restart.reason["text"]
+    assert "starts again: its script resumes from its own last save, which Omni cannot see" in restart.reason["text"]
+    assert "resume_from_step" not in restart.outcome and "recovers from step" not in restart.reason["text"]
     fail = ElasticEvent.objects.get(kind=EventKind.FAIL, job_name="crashy")
     assert fail.outcome["failure"]["rank"] == 1 and "deliberate failure" in fail.reason["text"]
     assert job.allocations.count() == 0

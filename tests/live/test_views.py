@@ -524,6 +524,12 @@ def test_job_page_shows_the_workload_with_env_names_but_never_values(researcher,
     assert "SIGTERM, 45 s grace, then SIGKILL; not elastic" in workload
     assert "WANDB_API_KEY" in workload and "HF_HOME" in workload and "1 of 2 used" in workload
     assert "wk-secret-value" not in body and "/cache/hf" not in body
+    # Its steps are what its script reported, and its saves are its own: the cards say so.
+    assert "steps its script reported" in body and "steps committed" not in body
+    assert 'data-f="at">: its script saves its own, which Omni does not see</span>' in body
+    assert "This signal-mode script has reported no steps" in body and "$OMNI_METRICS_FILE" in body
+    omni = client_for(researcher).get(reverse("job-page", args=[cluster["waiting"].pk])).content.decode()
+    assert "steps committed" in omni and "steps its script reported" not in omni
 
 
 def test_every_page_names_its_icon_and_the_icon_is_a_static_file():

@@ -64,6 +64,7 @@ def test_the_ranks_environment_is_the_jobs_share_and_omnis_contract(tmp_path):
     assert env["CUDA_VISIBLE_DEVICES"] == "0,5"
     assert env["OMNI_JOB"] == "my job" and env["OMNI_NODE"] == "b" and env["OMNI_RUN_ID"] == "my-job-1a2b"
     assert env["OMNI_CHECKPOINT_DIR"] == str(tmp_path / "my_job" / "checkpoints")
+    assert env["OMNI_METRICS_FILE"] == str(tmp_path / "my_job" / "metrics.jsonl")
     assert env["OMNI_LOG_DIR"] == str(tmp_path / "my_job" / "logs" / "my-job-1a2b" / "b")
     assert (env["OMNI_DP"], env["OMNI_ACCUM_STEPS"], env["OMNI_MICRO_BATCH"], env["OMNI_GLOBAL_BATCH"]) == \
         ("4", "2", "4", "32")
