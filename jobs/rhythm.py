@@ -281,7 +281,11 @@ class RhythmState:
         problems, notes = [], []
         mean, stdev = change["loss_mean"], change["loss_stdev"]
         losses = [entry[1] for entry in after if entry[1] is not None]
-        if mean is not None and stdev is not None and losses:
+        if first_step <= 1 and losses:
+            # A run that started over (no checkpoint, or a signal-mode script's own save lost)
+            # has an untrained model's loss: nothing before it is comparable.
+            notes.append("it started over from step 1, so its loss is not compared with the run before")
+        elif mean is not None and stdev is not None and losses:
             worst = max(losses)
             limit = max(mean + SPIKE_SIGMAS * stdev, mean * (1 + SPIKE_MIN_RISE))
             if worst > limit:

@@ -49,8 +49,9 @@ class WorkerHandle:
 
     def utilisation(self) -> float:
         """Simulated GPU utilisation from the last step: compute share, low while saving/starting."""
-        if self.state == "running" and not self.last_record and self.integration == "signal":
-            return max(0.0, min(1.0, 0.85 + random.uniform(-0.03, 0.03)))  # no step records: nominal
+        if self.state == "running" and self.integration == "signal" and "compute_s" not in self.last_record:
+            # A plain script's step lines (if it writes any) do not split the step: nominal.
+            return max(0.0, min(1.0, 0.85 + random.uniform(-0.03, 0.03)))
         if self.state != "running" or not self.last_record:
             return 0.05 if self.state in ("starting", "stopping") else 0.0
         step_s = float(self.last_record.get("step_s") or 0.0)

@@ -895,8 +895,11 @@ def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: i
     elif kind == "recover":
         kind_out = "recover"
         rule = "faults"
-        text = (f"Recovering from a fault: restarts from step {job.last_checkpoint_step} on {dp} "
-                f"replica(s) ({spread.describe()}), nearest to where it ran.")
+        # A signal-mode script resumes from its own save, which the planner does not see.
+        where = "its script starts again from its own last save" if job.signal else \
+            f"restarts from step {job.last_checkpoint_step}"
+        text = (f"Recovering from a fault: {where} on {dp} replica(s) ({spread.describe()}), "
+                "nearest to where it ran.")
     else:
         kind_out = "place"
         rule = "entitlement" if entitled else "placement"

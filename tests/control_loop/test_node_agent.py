@@ -357,3 +357,15 @@ def test_a_start_whose_rendezvous_port_is_taken_fails_at_once_so_the_job_recover
         asyncio.run(scenario())
     finally:
         holder.close()
+
+
+def test_simulated_utilisation_of_a_plain_script_that_reports_only_its_steps_is_nominal_not_zero():
+    """GPU samples are simulated here (no NVIDIA driver): from the step's compute share when the
+    records split the step, else nominal for a running signal-mode script, with or without lines."""
+    plain = workers.WorkerHandle("s", [0], True, state="running", integration="signal")
+    assert 0.8 <= plain.utilisation() <= 0.9
+    plain.last_record = {"step": 3, "step_s": 1.0}
+    assert 0.8 <= plain.utilisation() <= 0.9
+    kit = workers.WorkerHandle("o", [0], True, state="running", last_record={"step": 3, "step_s": 1.0, "compute_s": 0.5})
+    assert 0.45 <= kit.utilisation() <= 0.51
+    assert workers.WorkerHandle("o", [0], True, state="running").utilisation() == 0.0

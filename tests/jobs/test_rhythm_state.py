@@ -173,6 +173,21 @@ def test_a_loss_spike_or_a_changed_batch_after_a_resume_is_reported():
     assert "is not the global batch 48" in state.findings[-1]["text"]
 
 
+def test_a_run_that_starts_over_from_step_one_is_not_judged_by_the_trained_runs_loss():
+    """A restart with no checkpoint (or a signal-mode script whose own save was lost with its
+    node) begins with an untrained model: its high loss is no spike. From any later step it is."""
+    state = RhythmState()
+    state.observe(_losses(records(1, 40, run="a"), 0.05), dp=2)
+    fresh = _losses(records(1, 10, start_at=5000.0, run="b"), 7.0)
+    state.observe(fresh, dp=2)
+    (finding,) = state.findings
+    assert finding["healthy"] and finding["step"] == 1
+    assert "started over from step 1, so its loss is not compared" in finding["text"]
+    state.observe(_losses(records(11, 60, start_at=6000.0, run="b"), 0.05), dp=2)
+    state.observe(_losses(records(2, 11, start_at=9000.0, run="c"), 7.0), dp=2)
+    assert not state.findings[-1]["healthy"] and "the loss spiked to 7" in state.findings[-1]["text"]
+
+
 def test_save_predictions_are_scored_against_the_measured_saves():
     state = RhythmState()
     for seconds in (2.0, 2.0, 2.2, 4.0):

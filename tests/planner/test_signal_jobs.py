@@ -128,3 +128,13 @@ def test_reclaiming_a_loan_from_a_signal_job_says_what_it_costs() -> None:
         "grace + margin). It is a signal-mode job: its checkpoints are not visible to Omni, so preempting it "
         "costs all 16 min of work since its last start; it gets SIGTERM and 20 s to exit before SIGKILL."
     )
+
+
+def test_recovering_a_signal_job_says_its_script_resumes_from_its_own_save() -> None:
+    """The planner does not see a signal-mode script's saves: its recovery names none."""
+    omni = job("o", "regular", dp=1, phase="recovering", last_checkpoint_step=40)
+    sig = _signal("s", priority="regular", dp=1, phase="recovering")
+    result = plan(snapshot(NODES, [omni, sig]), NOW)
+    words = {a.job: a.reason.text for a in result.actions if a.kind == "recover"}
+    assert "its script starts again from its own last save" in words["s"] and "step" not in words["s"]
+    assert "restarts from step 40" in words["o"]
