@@ -488,7 +488,9 @@ def status(ctx: Ctx, job: str) -> None:
         fields += [
             ("layout", f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']} (dp {row['dp_min']}..{row['dp_max']})"),
             ("batch", f"global {row['global_batch']}, micro {row['micro_batch']}, accumulation {row['accum_steps']}"),
-            ("steps", f"{steps(row)}, last checkpoint at step {row.get('last_checkpoint_step') or 0}"),
+            ("steps", f"{steps(row)}, as its script reported (its checkpoints are its own, unseen by Omni)"
+             if row.get("integration") == "signal" else
+             f"{steps(row)}, last checkpoint at step {row.get('last_checkpoint_step') or 0}"),
             ("workload", " ".join(row.get("entrypoint") or [])),
             ("workdir", row.get("workdir") or "(the job's run dir)"),
             ("integration", row.get("integration")),

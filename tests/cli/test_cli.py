@@ -254,7 +254,9 @@ def test_the_cli_drives_a_job_through_the_api(asgi_server, researcher, operator,
     rows = json.loads(omni("jobs", "--state", "pending", "--json").stdout)
     assert [r["name"] for r in rows] == ["ddp-plain"]
 
-    assert "signal" in omni("status", "ddp-plain").stdout
+    status = omni("status", "ddp-plain").stdout
+    assert "signal" in status and "steps        0/200, as its script reported (its checkpoints are its own" in status
+    assert "last checkpoint at step" not in status
     assert json.loads(omni("status", str(job.pk), "--json").stdout)["id"] == job.pk
     omni("status", "no-such-job", code=2)
 
