@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from jobs.live_events import describe_event
 from jobs.management.commands.seed_demo import DEMO_PASSWORD, DEMO_USERS
-from jobs.models import Allocation, ElasticEvent, EventKind, Job, Node, NodeState, Reservation
+from jobs.models import Allocation, ElasticEvent, EventKind, Integration, Job, Node, NodeState, Reservation
 
 ROOT = Path(settings.BASE_DIR)
 SEPARATE_SIMULATED_AGENTS = 6
@@ -228,10 +228,16 @@ class Director:
             self.say("no simulated node runs anything; skipping the node failure")
             return
         mark = self._last_id()
+        if Job.objects.filter(name=job, integration=Integration.SIGNAL).exists():
+            falls = (f"{job}, a plain script in signal mode, starts again from its own last save (Omni sees none; "
+                     "this one saves only on SIGTERM, so it starts over)")
+            lost = "the time it had run"
+        else:
+            falls, lost = f"{job} falls back to its last checkpoint", "steps lost"
         self.step(3, "a node fails and its job recovers", f"In {WARNING_S} s the demo kills {victim}'s agent "
-                  f"(kill -9). On the Cluster page {victim} turns amber (suspect), then red (failed); {job} falls "
-                  "back to its last checkpoint and the planner recovers it on other GPUs. The Audit page shows "
-                  "node_suspect, node_failed (steps lost) and recover.")
+                  f"(kill -9). On the Cluster page {victim} turns amber (suspect), then red (failed); {falls} "
+                  f"and the planner recovers it on other GPUs. The Audit page shows node_suspect, node_failed "
+                  f"({lost}) and recover.")
         if self._pause(WARNING_S):
             return
         proc = self.procs.pop(f"agent-{victim}")
