@@ -15,6 +15,7 @@ from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from jobs.models import Allocation, AllocationSpan, Node, Team
+from jobs.planner.wording import plural
 
 
 def team_tree(teams: Iterable[Team]) -> dict[int, list[int]]:
@@ -38,7 +39,7 @@ def standing_words(held: int, quota: int, limit: int | None) -> str:
     if held <= quota:
         text = f"{held} of {quota} guaranteed GPUs"
     else:
-        text = f"{held} GPUs: {held - quota} borrowed beyond its quota of {quota}"
+        text = f"{plural(held, 'GPU')}: {held - quota} borrowed beyond its quota of {quota}"
     if limit is None:
         return text + "; may borrow any idle GPU"
     if limit == 0:

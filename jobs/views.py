@@ -207,7 +207,7 @@ def job_submit(request: HttpRequest) -> HttpResponse:
         except ValidationError as exc:
             form.add_action_errors(exc)
         else:
-            messages.success(request, f"Submitted {job.name}: {job.gpus_wanted} GPUs wanted; the planner places it.")
+            messages.success(request, f"Submitted {job.name}: {plural(job.gpus_wanted, 'GPU')} wanted; the planner places it.")
             return redirect("job-page", pk=job.pk)
     return render(request, "jobs/dashboard.html", _dashboard_context(request, form), status=400)
 

@@ -33,6 +33,7 @@ from jobs.models import (
 )
 from jobs.models.jobs import ACTIVE_JOB_STATES, reference_entrypoint
 from jobs.planner.layout import fit_problems
+from jobs.planner.wording import plural
 from jobs.roles import is_operator, require_job_actor, require_operator
 from jobs.vocab import EventKind
 
@@ -293,7 +294,7 @@ def submit_job(owner, *, priority: str, **spec: Any) -> Job:
         reason={
             "rule": "submit",
             "text": f"{owner.get_username()} submitted {job.name} ({job.get_priority_display().lower()}, "
-            f"{job.tp}x{job.pp}x{job.dp} = {job.gpus_wanted} GPUs, global batch {job.global_batch}), running "
+            f"{job.tp}x{job.pp}x{job.dp} = {plural(job.gpus_wanted, 'GPU')}, global batch {job.global_batch}), running "
             f"{entrypoint_words(job.entrypoint)} ({job.integration})"
             f"{f' for team {job.team.name}' if job.team_id else ''}.",
             "inputs": {

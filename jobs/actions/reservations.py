@@ -13,7 +13,7 @@ from django.utils import timezone
 from jobs.actions._common import actor_name
 from jobs.audit import record_event
 from jobs.models import Job, Priority, Reservation, Team
-from jobs.planner.wording import duration_words
+from jobs.planner.wording import duration_words, plural
 from jobs.roles import require_operator
 from jobs.vocab import EventKind
 
@@ -96,7 +96,7 @@ def create_reservation(
         gpus_after=gpus,
         reason={
             "rule": "reserve",
-            "text": f"{actor_name(actor)} reserved {gpus} GPUs (+{spares} spares) for "
+            "text": f"{actor_name(actor)} reserved {plural(gpus, 'GPU')} (+{plural(spares, 'spare')}) for "
             f"{job.name if job is not None else f'team {team.name}'} "
             f"from {start_at:%Y-%m-%d %H:%M} UTC, {window}.",
             "inputs": {"reservation": name, **_reservation_facts(reservation)},

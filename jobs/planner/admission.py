@@ -48,6 +48,7 @@ from jobs.planner.topology import spread_of
 from jobs.planner.wording import (
     duration_words,
     gpu_shape,
+    gpus_are,
     join_words,
     low_disk_words,
     plural,
@@ -275,7 +276,7 @@ def admit_waiting(state: PlanningPass) -> None:
         if job.parked and job.idle_until_s is not None and job.idle_until_s > state.now:
             state._hold(job, "idle_phase",
                         f"Its idle phase (evaluation or data loading) lasts until {state._when(job.idle_until_s)}; "
-                        f"its {len(job.parked)} GPUs are lent to other jobs meanwhile and come back by then.",
+                        f"its {gpus_are(len(job.parked), 'lent')} to other jobs meanwhile and come back by then.",
                         idle_until_s=job.idle_until_s, gpus_lent=len(job.parked))
             continue
         if not job.holdings and not job.parked and hold_if_cannot_fit(state, job):
@@ -742,9 +743,9 @@ def capacity_sentence(state: PlanningPass, job: Job, preferred: int, free: int, 
     if free < min_need:
         text += f"; only {free} of the GPUs it may use are free" if free else "; none of the GPUs it may use is free"
     elif job.tp > 1:
-        text += f"; {free} GPUs it may use are free, but too scattered: each group of {job.tp} must be on one node"
+        text += f"; {plural(free, 'GPU')} it may use {'is' if free == 1 else 'are'} free, but too scattered: each group of {job.tp} must be on one node"
     else:
-        text += f"; {free} GPUs it may use are free, but not where it can use them"
+        text += f"; {plural(free, 'GPU')} it may use {'is' if free == 1 else 'are'} free, but not where it can use them"
     holders = [plural(state.holders[p], f"{label} job") for p, label in CLASS_WORDS if state.holders.get(p, 0) > 0]
     if holders:
         text += f", the others are held by {join_words(holders)}"
@@ -886,7 +887,7 @@ def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: i
         kind_out = "lend"
         rule = "harvest.lend"
         window_notes = loan_notes(state, job, dp, lent)
-        text = (f"Started on {replica_count(dp)} ({len(after)} GPUs, {spread.describe()}) using lent "
+        text = (f"Started on {replica_count(dp)} ({plural(len(after), 'GPU')}, {spread.describe()}) using lent "
                 f"GPUs nobody is using now: {'; '.join(window_notes)}.")
         if loan_end < INFINITY:
             text += f" The loan ends at {state._when(loan_end)}; the job will be asked to save ahead of it."
@@ -909,8 +910,8 @@ def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: i
         elif entitled:
             who = "its reservation is active"
         else:
-            who = f"{len(after)} GPUs were free"
-        text = f"Started on {replica_count(dp)} ({len(after)} GPUs, {spread.describe()}): {who}."
+            who = f"{plural(len(after), 'GPU')} {'was' if len(after) == 1 else 'were'} free"
+        text = f"Started on {replica_count(dp)} ({plural(len(after), 'GPU')}, {spread.describe()}): {who}."
     if dp != job.dp:
         text += (f" Runs at dp {dp} instead of {job.dp} with accumulation {accum_steps(job, dp)}, "
                  f"keeping the global batch {job.global_batch}.")

@@ -53,7 +53,7 @@ from jobs.planner.victims import (
     victim_sort_key,
     work_since_start_s,
 )
-from jobs.planner.wording import duration_words, plural, pool_label, signal_stop_words, upper_first
+from jobs.planner.wording import duration_words, gpus_are, plural, pool_label, signal_stop_words, upper_first
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -362,7 +362,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         del inputs["predicted_stop_s"]  # no stop to score: nothing is saved
     label = upper_first(pool_label(res.name))
     if unsaved and state.kill:
-        text = f"{label} needs its GPUs now; the job was stopped without a checkpoint to return {len(opt.freed)} GPUs at once."
+        text = f"{label} needs its GPUs now; the job was stopped without a checkpoint to return {plural(len(opt.freed), 'GPU')} at once."
         deadline = state.now
     elif unsaved:
         at_risk = max(0, job.committed_steps - job.last_checkpoint_step)
@@ -373,7 +373,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
             f"{label} needs its GPUs now (its job arrived unannounced or lost GPUs to a fault). This job "
             f"could not save within the {duration_words(state.config.reclaim_grace_s)} grace "
             f"({stop_time_s(job, state.config):.0f}s to finish its step and save), so it is stopped without a "
-            f"checkpoint and returns {len(opt.freed)} GPUs at once"
+            f"checkpoint and returns {plural(len(opt.freed), 'GPU')} at once"
             + (f" (and the other {len(job.gpus) - len(opt.freed)} it holds: it restarts from its last save)"
                if len(job.gpus) > len(opt.freed) else "")
             + f"; it loses the {plural(at_risk, 'step')} since its last periodic save, as its loan said it might."
@@ -386,7 +386,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         when = "now" if need_s <= state.now + 1e-9 else f"at {state._when(need_s)}"
         text = (
             f"{label} needs its GPUs {when}; the loan ends now, so the job returns "
-            f"{len(opt.freed)} GPUs within {lead_s:.0f}s (its grace + margin). It is a "
+            f"{plural(len(opt.freed), 'GPU')} within {lead_s:.0f}s (its grace + margin). It is a "
             f"{signal_stop_words(ran_s, job.grace_s)}."
         )
     else:
@@ -402,7 +402,7 @@ def emit_reclaim(state: PlanningPass, opt: VictimOption, res: Reservation, pool:
         if need_s <= state.now + 1e-9:
             text = (
                 f"{label} needs these GPUs now (its job became entitled or lost GPUs to a fault); the job "
-                f"saves its checkpoint and returns {len(opt.freed)} GPUs within {lead_s + slack_s:.0f}s."
+                f"saves its checkpoint and returns {plural(len(opt.freed), 'GPU')} within {lead_s + slack_s:.0f}s."
             )
         else:
             text = (
@@ -457,7 +457,7 @@ def lend_idle_phases(state: PlanningPass) -> None:
         state._emit("lend", job, (),
                     Reason("harvest.idle",
                            f"The job is in a known idle phase for another {remaining_s:.0f}s; its "
-                           f"{len(job.holdings)} GPUs are lent to waiting work ({', '.join(sorted(takers)[:3])}) "
+                           f"{gpus_are(len(job.holdings), 'lent')} to waiting work ({', '.join(sorted(takers)[:3])}) "
                            f"and reclaimed with a checkpoint before {state._when(job.idle_until_s)}, when it "
                            f"reloads ({p.load_s:.0f}s) and continues.",
                            {"idle_until_s": job.idle_until_s, "idle_remaining_s": round(remaining_s, 1),

@@ -64,7 +64,7 @@ def fit_problems(tp: int, pp: int, dp_min: int, node_gpus: Sequence[int]) -> dic
     if dp_min > room:
         rep = tp * pp
         return {"dp_min": (
-            f"at least {dp_min} replicas of {rep} GPUs ({dp_min * rep} GPUs) but the whole cluster has room "
+            f"at least {dp_min} replicas of {plural(rep, 'GPU')} ({plural(dp_min * rep, 'GPU')}) but the whole cluster has room "
             f"for {room or 'none'} ({sum(node_gpus)} GPUs on {plural(len(node_gpus), 'node')})"
         )}
     return {}

@@ -399,6 +399,6 @@ def reclaim_words(state: PlanningPass, requester: Job, victim: Job) -> str:
         theirs = "this job belongs to no team, so it has no quota and only borrows"
     else:
         v = book.teams[victim.team]
-        theirs = (f"team {victim.team} holds {book.held.get(victim.team, 0)} GPUs, "
+        theirs = (f"team {victim.team} holds {plural(book.held.get(victim.team, 0), 'GPU')}, "
                   f"{plural(book.held.get(victim.team, 0) - v.quota_gpus, 'GPU')} beyond its quota of {v.quota_gpus}")
     return f"{mine} and reclaims the GPUs other teams borrowed: {theirs}"

@@ -36,7 +36,7 @@ from jobs.planner.starvation import (
     waited_s,
     waiting_since_s,
 )
-from jobs.planner.wording import duration_words, returning_sentence, signal_stop_words
+from jobs.planner.wording import duration_words, plural, returning_sentence, signal_stop_words
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -521,7 +521,7 @@ def emit_victim(state: PlanningPass, opt: VictimOption, requester: Job, forced: 
                       predicted_stop_s=round(p.mean_step_s + p.save_s, 3) if not job.signal else job.grace_s)
     if opt.is_shrink:
         d_after = len(opt.kept) // (job.tp * job.pp)
-        text = (f"{why}; this {job.priority} job gives back {len(opt.freed)} GPUs by shrinking from dp "
+        text = (f"{why}; this {job.priority} job gives back {plural(len(opt.freed), 'GPU')} by shrinking from dp "
                 f"{job.current_dp} to {d_after} (accumulation {accum_steps(job, job.current_dp)} -> "
                 f"{accum_steps(job, d_after)}, global batch {job.global_batch} unchanged) rather "
                 f"than stopping; it was the cheapest choice ({opt.cost_gpu_s:.0f} GPU-s at risk).")

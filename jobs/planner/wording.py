@@ -37,6 +37,11 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def gpus_are(n: int, state: str = "free") -> str:
+    """``1 GPU is free``, ``3 GPUs are free``."""
+    return f"{plural(n, 'GPU')} {'is' if n == 1 else 'are'} {state}"
+
+
 def join_words(items: list[str]) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     if len(items) <= 1:

@@ -69,3 +69,15 @@ def test_a_loans_end_reads_as_a_clock_time_in_production() -> None:
     (lend,) = plan(snap, NOW, PRODUCTION).by_kind("lend")
     assert "The loan ends at 15:53 UTC (2 h after this decision)" in lend.reason.text
     assert not EPOCH_T.search(lend.reason.text)
+
+
+def test_one_gpu_is_one_gpu_in_every_sentence_of_a_one_gpu_job() -> None:
+    """A 1-GPU job's start and its reclaim read "1 GPU", never "1 GPUs"."""
+    nodes = cluster(switches=1, per_switch=2)
+    small = job("small", "regular", dp=1, dp_max=1, tp=1, global_batch=8)
+    (start,) = plan(snapshot(nodes, [small]), NOW, PRODUCTION).by_kind("place")
+    assert "Started on 1 replica (1 GPU, " in start.reason.text and "1 GPU was free" in start.reason.text
+    assert "1 GPUs" not in start.reason.text
+    pair = job("pair", "regular", dp=2, dp_max=2, tp=1, global_batch=8)
+    (start,) = plan(snapshot(nodes, [pair]), NOW, PRODUCTION).by_kind("place")
+    assert "(2 GPUs, " in start.reason.text and "2 GPUs were free" in start.reason.text
