@@ -899,7 +899,7 @@ def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: i
         # A signal-mode script resumes from its own save, which the planner does not see.
         where = "its script starts again from its own last save" if job.signal else \
             f"restarts from step {job.last_checkpoint_step}"
-        text = (f"Recovering from a fault: {where} on {dp} replica(s) ({spread.describe()}), "
+        text = (f"Recovering from a fault: {where} on {replica_count(dp)} ({spread.describe()}), "
                 "nearest to where it ran.")
     else:
         kind_out = "place"

@@ -559,3 +559,11 @@ def test_a_finished_jobs_page_says_how_long_it_took_instead_of_an_eta(researcher
     assert "from its first start" in ran and "it never started" in never
     body = client.get(reverse("job-page", args=[live.pk])).content.decode()
     assert "ETA at" in body and 'id="job-ended"' not in body
+
+
+def test_a_missing_page_is_the_sites_own_404_with_a_way_back(researcher):
+    response = client_for(researcher).get("/jobs/987654/")
+    assert response.status_code == 404
+    body = response.content.decode()
+    assert "<h1>Not found</h1>" in body and "<code>/jobs/987654/</code>" in body
+    assert 'rel="icon"' in body and reverse("dashboard") in body  # the site's frame, not Django's bare page

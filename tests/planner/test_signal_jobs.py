@@ -137,4 +137,4 @@ def test_recovering_a_signal_job_says_its_script_resumes_from_its_own_save() -> 
     result = plan(snapshot(NODES, [omni, sig]), NOW)
     words = {a.job: a.reason.text for a in result.actions if a.kind == "recover"}
     assert "its script starts again from its own last save" in words["s"] and "step" not in words["s"]
-    assert "restarts from step 40" in words["o"]
+    assert "restarts from step 40 on 1 replica (" in words["o"] and "replica(s)" not in words["o"]
