@@ -30,6 +30,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _own_audit_heads(settings, tmp_path):
+    """Each test publishes and reads audit heads in its own file: the checkout's
+    var/audit-heads.jsonl, written by ``make demo``, names rows a test database does not hold."""
+    settings.OMNI_AUDIT_HEADS = tmp_path / "audit-heads.jsonl"
+
+
+@pytest.fixture(autouse=True)
 def _fresh_process_state():
     """Process-local caches (known partitions, sequence windows, allocation routing) start empty in
     every test: a cached partition or source state from a rolled-back test would lie to the next."""
