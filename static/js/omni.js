@@ -238,12 +238,12 @@
   const NO_DATA = {text: "No data yet", xref: "paper", yref: "paper", x: 0.5, y: 0.5,
     showarrow: false, font: {size: 13, color: "#8a95a3"}, name: "no-data"};
   // A chart without data says so, in a short box with no empty axes around the words.
-  const noDataLayout = (layout) => Object.assign(layout, {xaxis: {visible: false}, yaxis: {visible: false}, showlegend: false,
-    shapes: [], annotations: [NO_DATA], margin: {l: 56, r: 16, t: 30, b: 8}});
-  function plotChart(id, traces, layout, hasData) {
+  const noDataLayout = (layout, text) => Object.assign(layout, {xaxis: {visible: false}, yaxis: {visible: false}, showlegend: false,
+    shapes: [], annotations: [Object.assign({}, NO_DATA, text ? {text} : {})], margin: {l: 56, r: 16, t: 30, b: 8}});
+  function plotChart(id, traces, layout, hasData, emptyText) {
     const div = document.getElementById(id), resized = div.classList.contains("no-data") === hasData;
     div.classList.toggle("no-data", !hasData);
-    Plotly.react(div, traces, hasData ? layout : noDataLayout(layout), PLOT_CONFIG);
+    Plotly.react(div, traces, hasData ? layout : noDataLayout(layout, emptyText), PLOT_CONFIG);
     if (resized && div._fullLayout) Plotly.Plots.resize(div);  // the box changed height: fill it
   }
   function hasPoints(traces) { return traces.some((t) => t.x && t.x.length); }
@@ -413,7 +413,8 @@
     }
     function redraw(id) {
       const div = document.getElementById(id);
-      plotChart(id, div.data, chartLayout(id, hasPoints(div.data)), hasPoints(div.data));
+      const said = !hasPoints(div.data) && div.layout.annotations && div.layout.annotations[0];
+      plotChart(id, div.data, chartLayout(id, hasPoints(div.data)), hasPoints(div.data), said ? said.text : "");
     }
     function growRange(xs) {
       widen(xs);
@@ -435,7 +436,8 @@
       const tokenTraces = modalities.map((m) => ({
         x: series.tokens.t.slice(), y: series.tokens[m], name: m, stackgroup: "tokens", mode: "lines", line: {width: 0.5, color: modalityColours[m]},
       }));
-      plotChart("chart-tokens", tokenTraces, chartLayout("chart-tokens", hasPoints(tokenTraces)), hasPoints(tokenTraces));
+      plotChart("chart-tokens", tokenTraces, chartLayout("chart-tokens", hasPoints(tokenTraces)), hasPoints(tokenTraces),
+                series.step.t.length ? "Its step records count no tokens" : "");
     }
     function drawGpus() {  // the heat strip is redrawn from series as samples arrive
       let gpuTraces;
@@ -469,10 +471,14 @@
       const bySteps = new Map();
       records.forEach((r) => {
         const t = plotTime(recordTime(r)), key = r.step !== undefined ? r.step : t;
-        const agg = bySteps.get(key) || {t, sum: 0, n: 0, max: 0, step: r.step, tokens: {}};
+        const agg = bySteps.get(key) || {t, sum: 0, n: 0, max: 0, step: r.step, tokens: {}, counted: false};
         agg.sum += r.step_s; agg.n += 1; agg.max = Math.max(agg.max, r.step_s);
         if (t > agg.t) agg.t = t;
-        modalities.forEach((m) => { agg.tokens[m] = (agg.tokens[m] || 0) + (r["tokens_" + m] || (r.tokens && r.tokens[m]) || 0); });
+        modalities.forEach((m) => {
+          const n = r["tokens_" + m] || (r.tokens && r.tokens[m]) || 0;
+          agg.tokens[m] = (agg.tokens[m] || 0) + n;
+          if (n) agg.counted = true;
+        });
         bySteps.set(key, agg);
       });
       const points = Array.from(bySteps.values()).sort((a, b) => (a.t < b.t ? -1 : 1));
@@ -480,7 +486,9 @@
       // Plotly owns the trace arrays: extendTraces appends to them (no copy kept here).
       const xs = points.map((p) => p.t);
       Plotly.extendTraces("chart-step", {x: [xs, xs], y: [points.map((p) => p.sum / p.n), points.map((p) => p.max)]}, [0, 1], MAX_POINTS);
-      Plotly.extendTraces("chart-tokens", {x: modalities.map(() => xs), y: modalities.map((m) => points.map((p) => p.tokens[m] / p.n))}, [0, 1, 2, 3], MAX_POINTS);
+      // Tokens only where the records count them: a plain script's step lines count none.
+      const counted = points.filter((p) => p.counted), txs = counted.map((p) => p.t);
+      if (counted.length) Plotly.extendTraces("chart-tokens", {x: modalities.map(() => txs), y: modalities.map((m) => counted.map((p) => p.tokens[m] / p.n))}, [0, 1, 2, 3], MAX_POINTS);
       const last = points[points.length - 1];
       if (last.step !== undefined) $("#job-steps").textContent = last.step;
       growRange(xs);

@@ -279,6 +279,8 @@ def test_job_page_draws_points_written_by_the_test_within_2_s(open_as, asgi_serv
     assert time.monotonic() - started < 2.0
     step = page.evaluate("document.getElementById('chart-step').data[0]")
     assert step["y"] == [pytest.approx(1.95)]
+    # These records count tokens, so the tokens chart draws them too.
+    page.wait_for_function("document.getElementById('chart-tokens').data.some(t => t.x.length >= 1)", timeout=2000)
     # On an axis spanning the data (the first GPU sample to the step, 30 s margins), not 6 h, and
     # drawn in the browser's local time (UTC+5:30 here: Plotly shows its range as local wall-clock).
     state = page.evaluate(CHART_STATE.replace("ID", "chart-step"))
@@ -322,6 +324,8 @@ def test_preempt_event_appears_in_the_live_log(open_as, asgi_server, researcher,
     post_json(f"{asgi_server}/api/telemetry/steps", {"source": "browser-test-markers", "seq": 1, "samples": [
         {"job": job.pk, "rank": 0, "step": 7, "at": time.time() - 0.5, "step_s": 1.5}]}, nodes[0], token)
     page.wait_for_function("document.getElementById('chart-step').layout.shapes.length >= 2", timeout=2000)
+    # A record that counts no tokens (a plain script's line) draws no zero on the tokens chart.
+    assert page.evaluate("document.getElementById('chart-tokens').data.every(t => !t.x.length)")
 
 
 def test_operator_drains_a_node_and_the_audit_page_shows_it(open_as, asgi_server, operator, running_job):

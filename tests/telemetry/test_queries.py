@@ -122,6 +122,14 @@ def test_job_series_cover_the_gpus_it_holds_and_its_steps(node, make_job):
     assert (trace["step"], trace["step_s"], trace["step_s_max"], trace["loss"]) == ([3.0], [1.0], [1.5], [2.0])
     tokens = queries.step_series(job.pk, start=start, end=end, max_points=10, metrics=("tokens_text",))
     assert tokens["traces"]["job"]["tokens_text"] == [None]  # no token counts were sent
+    # The job page draws no tokens chart of zeros for them: it says it has none.
+    from jobs.live_data import job_series
+
+    series = job_series(job, start, end)
+    assert series["step"]["t"] and series["tokens"]["t"] == []
+    ingest_step_batch(node, {"source": "s", "seq": 1, "samples": [
+        {"job": job.pk, "rank": 0, "step": 4, "at": now - 1, "step_s": 0.5, "tokens": {"text": 900}}]})
+    assert job_series(job, start, end)["tokens"]["text"][-1] == 900.0
     latest = queries.latest_gpu_samples(node_ids=[node.pk])
     assert latest[(node.pk, 3)]["util_pct"] == 90.0
 
