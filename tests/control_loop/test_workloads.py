@@ -199,6 +199,8 @@ def test_a_crashing_script_restarts_up_to_max_restarts_then_fails_with_its_trace
     assert "resume_from_step" not in restart.outcome and "recovers from step" not in restart.reason["text"]
     fail = ElasticEvent.objects.get(kind=EventKind.FAIL, job_name="crashy")
     assert fail.outcome["failure"]["rank"] == 1 and "deliberate failure" in fail.reason["text"]
+    # It does not resume: the failure names no step to resume from, only what ran and was reported.
+    assert "resume_from_step" not in fail.outcome and fail.outcome["time_lost_s"] >= 0 and "steps_reported" in fail.outcome
     assert job.allocations.count() == 0
 
     client = Client()
