@@ -46,6 +46,7 @@ from jobs.planner.starvation import (
 )
 from jobs.planner.topology import spread_of
 from jobs.planner.wording import (
+    agree,
     duration_words,
     gpu_shape,
     gpus_are,
@@ -743,9 +744,9 @@ def capacity_sentence(state: PlanningPass, job: Job, preferred: int, free: int, 
     if free < min_need:
         text += f"; only {free} of the GPUs it may use are free" if free else "; none of the GPUs it may use is free"
     elif job.tp > 1:
-        text += f"; {plural(free, 'GPU')} it may use {'is' if free == 1 else 'are'} free, but too scattered: each group of {job.tp} must be on one node"
+        text += f"; {plural(free, 'GPU')} it may use {agree(free, 'is', 'are')} free, but too scattered: each group of {job.tp} must be on one node"
     else:
-        text += f"; {plural(free, 'GPU')} it may use {'is' if free == 1 else 'are'} free, but not where it can use them"
+        text += f"; {plural(free, 'GPU')} it may use {agree(free, 'is', 'are')} free, but not where it can use them"
     holders = [plural(state.holders[p], f"{label} job") for p, label in CLASS_WORDS if state.holders.get(p, 0) > 0]
     if holders:
         text += f", the others are held by {join_words(holders)}"
@@ -780,7 +781,7 @@ def low_disk_notes(state: PlanningPass, job: Job) -> tuple[list[str], list[str]]
     gpus = sum(free for _, free, _ in hit)
     where = hit[0][0] if len(hit) == 1 else f"{len(hit)} nodes"
     words = low_disk_words([(name, disk) for name, _, disk in hit], state.config.min_free_disk_bytes)
-    phrase = f"{plural(gpus, 'GPU')} {'is' if gpus == 1 else 'are'} free on {where}, but no new work goes there: {words}"
+    phrase = f"{gpus_are(gpus)} on {where}, but no new work goes there: {words}"
     return [phrase], [name for name, _, _ in hit]
 
 
@@ -910,7 +911,7 @@ def emit_start(state: PlanningPass, job: Job, kind: str, after: list[Gpu], dp: i
         elif entitled:
             who = "its reservation is active"
         else:
-            who = f"{plural(len(after), 'GPU')} {'was' if len(after) == 1 else 'were'} free"
+            who = f"{plural(len(after), 'GPU')} {agree(len(after), 'was', 'were')} free"
         text = f"Started on {replica_count(dp)} ({plural(len(after), 'GPU')}, {spread.describe()}): {who}."
     if dp != job.dp:
         text += (f" Runs at dp {dp} instead of {job.dp} with accumulation {accum_steps(job, dp)}, "

@@ -20,7 +20,7 @@ from jobs.planner.rhythm import predict, stop_time_s
 from jobs.planner.snapshot import Job
 from jobs.planner.topology import choose_gpus, spread_of
 from jobs.planner.victims import work_since_start_s
-from jobs.planner.wording import replica_count, signal_stop_words
+from jobs.planner.wording import agree, replica_count, signal_stop_words
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -56,7 +56,7 @@ def evacuate_draining_nodes(state: PlanningPass) -> None:
         if new is not None:
             after = kept_gpus + list(new)
             state._emit("migrate", job, after,
-                        Reason("drain", f"Node drained by an operator: {replica_count(lost)} {'moves' if lost == 1 else 'move'} to "
+                        Reason("drain", f"Node drained by an operator: {replica_count(lost)} {agree(lost, 'moves', 'move')} to "
                                f"{spread_of(new, state.nodes).describe()} after a checkpoint.",
                                {**inputs, **spread_of(after, state.nodes).as_inputs()}),
                         deadline_s=deadline, forced=True)

@@ -25,7 +25,7 @@ from jobs.planner.layout import accum_steps, largest_valid_dp, replicas_of
 from jobs.planner.rhythm import predict
 from jobs.planner.snapshot import Gpu, Job, Node
 from jobs.planner.topology import choose_gpus, spread_of
-from jobs.planner.wording import replica_count
+from jobs.planner.wording import agree, replica_count
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -111,8 +111,8 @@ def migrate_stragglers(state: PlanningPass) -> None:
         after = kept_gpus + list(new)
         state._emit("migrate", job, after,
                     Reason("faults.straggler",
-                           f"{'Node' if len(on_slow) == 1 else 'Nodes'} {', '.join(on_slow)} "
-                           f"{'runs' if len(on_slow) == 1 else 'run'} {factor:.2f}x slower; moving "
+                           f"{agree(len(on_slow), 'Node', 'Nodes')} {', '.join(on_slow)} "
+                           f"{agree(len(on_slow), 'runs', 'run')} {factor:.2f}x slower; moving "
                            f"{replica_count(len(replicas) - len(keep))} saves about {gain:.0f} GPU-s over the "
                            f"remaining {job.remaining_steps} steps against a move cost of {cost:.0f} GPU-s.",
                            {**inputs, **spread_of(after, state.nodes).as_inputs()}))

@@ -25,7 +25,7 @@ from jobs.planner.quota import size_cap
 from jobs.planner.rhythm import RhythmPrediction, predict, reclaim_lead_time, step_time_at
 from jobs.planner.snapshot import PRIORITY_RANK, Job
 from jobs.planner.topology import choose_gpus, spread_of
-from jobs.planner.wording import gpus_are, plural
+from jobs.planner.wording import agree, gpus_are, plural
 
 if TYPE_CHECKING:
     from jobs.planner.core import PlanningPass
@@ -101,7 +101,8 @@ def grow_elastic_jobs(state: PlanningPass) -> None:
                 if saved_s < state.config.grow_gain_factor * cost_s:
                     continue
             if windows_only:
-                why = (f"{plural(len(new), 'GPU')} of a pool's window that ends in a reclaim {'is' if len(new) == 1 else 'are'} free, and the jobs of equal "
+                why = (f"{plural(len(new), 'GPU')} of a pool's window that ends in a reclaim {agree(len(new), 'is', 'are')} free, "
+                       f"and the jobs of equal "
                        f"or higher priority that wait are kept off it (each would be stopped at its end)")
             elif blocked:
                 why = f"{gpus_are(len(new))} and no job of equal or higher priority that waits could start on them"
@@ -176,7 +177,7 @@ def start_larger(state: PlanningPass) -> None:
             state.holders[job.priority] -= 1
             after = list(action.gpus_after) + list(new)
             emit_start(state, job, "place", after, target, action.reason.rule == "entitlement",
-                       note=f" It starts at dp {target} rather than {d}: {len(new)} more {'GPU is' if len(new) == 1 else 'GPUs are'} free and nobody "
+                       note=f" It starts at dp {target} rather than {d}: {len(new)} more {agree(len(new), 'GPU is', 'GPUs are')} free and nobody "
                             f"of equal or higher priority is waiting, so it need not restart to grow later.")
             break
     if replaced:

@@ -37,9 +37,14 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def agree(n: int, one: str, many: str) -> str:
+    """The word that agrees with ``n``: ``agree(1, "is", "are")`` is ``is``."""
+    return one if n == 1 else many
+
+
 def gpus_are(n: int, state: str = "free") -> str:
     """``1 GPU is free``, ``3 GPUs are free``."""
-    return f"{plural(n, 'GPU')} {'is' if n == 1 else 'are'} {state}"
+    return f"{plural(n, 'GPU')} {agree(n, 'is', 'are')} {state}"
 
 
 def join_words(items: list[str]) -> str:
