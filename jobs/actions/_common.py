@@ -48,15 +48,16 @@ def lose_unsaved_steps(job: Job) -> int:
     return lost
 
 
-def lost_facts(job: Job, lost: int) -> tuple[dict[str, Any], str]:
+def lost_facts(job: Job, lost: int, *, resumes: bool = True) -> tuple[dict[str, Any], str]:
     """What a kill or a fault cost ``job`` once its progress was rolled back (``lost`` steps), as
     far as Omni can tell: the audit outcome's facts and a clause for its sentence. An ``omni``
-    job resumes from its last checkpoint. A ``signal`` job's checkpoints are its own: the steps
-    it reported were not saved where Omni can see, so the cost is the time since its last start,
-    and its progress shows again as the next run reports steps (docs/workloads.md)."""
+    job resumes from its last checkpoint (named, unless it ``resumes`` no more: it failed). A
+    ``signal`` job's checkpoints are its own: the steps it reported were not saved where Omni can
+    see, so the cost is the time since its last start, and its progress shows again as the next
+    run reports steps (docs/workloads.md)."""
     if job.integration != Integration.SIGNAL:
-        return ({"steps_lost": lost, "resume_from_step": job.last_checkpoint_step},
-                f"{lost} steps lost (resumes from step {job.last_checkpoint_step})")
+        facts = {"steps_lost": lost, **({"resume_from_step": job.last_checkpoint_step} if resumes else {})}
+        return facts, f"{lost} steps lost (resumes from step {job.last_checkpoint_step})"
     ran_s = max(0.0, (timezone.now() - job.started_at).total_seconds()) if job.started_at else 0.0
     reported = f" (it had reported step {lost})" if lost else ""
     return ({"time_lost_s": round(ran_s, 1), "steps_reported": lost},

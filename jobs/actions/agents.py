@@ -342,16 +342,9 @@ def _fail_or_restart(job: Job, node: Node, actor: str, outcome: dict[str, Any]) 
     limit = f"no restarts left ({job.max_restarts} allowed)" if job.max_restarts else "max_restarts is 0"
     record_event(EventKind.FAIL, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before, gpus_after=0,
                  dp_before=job.dp, global_batch=job.global_batch,
-                 outcome={"failure": failure, **_lost_at_the_end(job, lost), "restarts": job.restarts},
+                 outcome={"failure": failure, **lost_facts(job, lost, resumes=False)[0], "restarts": job.restarts},
                  reason={"rule": "script_failed", "text": f"{words}; {limit}: the job failed, the other ranks "
                          "were stopped and its GPUs released.", "inputs": {"max_restarts": job.max_restarts}})
-
-
-def _lost_at_the_end(job: Job, lost: int) -> dict[str, Any]:
-    """A failed job's loss, without a step to resume from: it does not resume."""
-    facts, _ = lost_facts(job, lost)
-    facts.pop("resume_from_step", None)
-    return facts
 
 
 def _keep_first_failure(job: Job, node: Node, outcome: dict[str, Any]) -> None:

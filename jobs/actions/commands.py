@@ -417,7 +417,6 @@ def _preempt_done(o: _Outcome) -> None:
     if job.state != JobState.CHECKPOINTING:
         return
     signal_mode = job.integration == Integration.SIGNAL
-    ran_s = (timezone.now() - job.started_at).total_seconds() if job.started_at else 0.0
     if o.ok:
         fields = note_checkpoint(job, o.reported)
         fields += job.transition_to(JobState.PREEMPTED)
@@ -437,10 +436,11 @@ def _preempt_done(o: _Outcome) -> None:
     nodes = job_nodes(job)
     lost = kill_and_release(job)
     if signal_mode:
+        facts, _ = lost_facts(job, lost)
         text = (f"{job.name}: the ranks did not exit within grace_s {job.grace_s:g} s of SIGTERM; SIGKILL. "
-                f"Omni cannot see this job's checkpoints, so all {ran_s:.0f} s of work since its last start "
-                "may be lost; GPUs released.")
-        o.audit(EventKind.KILL, rule="grace_expired", text=text, extra=lost_facts(job, lost)[0], nodes_before=nodes,
+                f"Omni cannot see this job's checkpoints, so all {facts['time_lost_s']:.0f} s of work since its "
+                "last start may be lost; GPUs released.")
+        o.audit(EventKind.KILL, rule="grace_expired", text=text, extra=facts, nodes_before=nodes,
                 gpus_before=o.gpus_before, gpus_after=0)
         return
     o.audit(EventKind.KILL, rule="checkpoint_failed", text=o.text + f"; {lost} steps lost",
