@@ -160,8 +160,9 @@ def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
                               "step": trace["step"]}
             # Mean tokens per rank-step, by modality (telemetry.queries' tokens_<modality>); none
             # when its records count no tokens (a plain script's lines, a framework's callback).
-            if any(v for m in MODALITIES for v in trace.get(f"tokens_{m}") or ()):
-                series["tokens"] = {"t": t, **{m: trace.get(f"tokens_{m}") or [0] * len(t) for m in MODALITIES}}
+            tokens = {m: trace.get(f"tokens_{m}") or [0] * len(t) for m in MODALITIES}
+            if any(any(values) for values in tokens.values()):
+                series["tokens"] = {"t": t, **tokens}
         gpus = queries.gpu_utilisation_series(start=since, end=until, max_points=MAX_POINTS_PER_TRACE,
                                               job_id=job.pk, metrics=("util_pct",))
         series["gpus"] = {

@@ -28,7 +28,7 @@ JOIN_TIMEOUT_S = 300
 # new layout's gradient noise settles before the full rate (docs/rhythm.md).
 CALIBRATION_STEPS = 5
 
-METRICS_FILE = "metrics.jsonl"  # in the run dir; trainer_agent.runtime writes the same name
+METRICS_FILE = "metrics.jsonl"  # in the run dir: rank 0's step records (trainer_agent.runtime writes it)
 
 RESERVED_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",

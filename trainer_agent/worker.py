@@ -40,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 from trainer_agent.balancing import StepPlan, plan_step  # noqa: E402
 from trainer_agent.checkpoint import checkpoint_name  # noqa: E402
+from trainer_agent.launch import METRICS_FILE  # noqa: E402
 from trainer_agent.runtime import ControlFile, JsonlFileSink, TrainerRuntime, optimizer_steps  # noqa: E402
 from trainer_agent.runtime.dcp import Checkpointer  # noqa: E402
 from trainer_agent.runtime.ddp import exact_ddp  # noqa: E402
@@ -265,18 +266,18 @@ def run(config: WorkerConfig, rank: int, world_size: int) -> NoReturn:
         if previous_dp != world_size and config.calibration_steps > 0:
             schedule.start_calibration(start_step + 1, config.calibration_steps, config.calibration_start_fraction)
         if rank == 0:
-            trim_records(run_dir / "metrics.jsonl", start_step)
+            trim_records(run_dir / METRICS_FILE, start_step)
             print(
                 f"resumed from {checkpoint_name(start_step)}: dp {previous_dp} -> {world_size}, "
                 f"accum {resumed.batch['accum']} -> {config.accum}, global batch {config.global_batch}",
                 flush=True,
             )
     elif rank == 0:
-        trim_records(run_dir / "metrics.jsonl", 0)
+        trim_records(run_dir / METRICS_FILE, 0)
         print(f"starting fresh: dp {world_size}, accum {config.accum}, global batch {config.global_batch}", flush=True)
 
     runtime = TrainerRuntime(
-        sink=JsonlFileSink(run_dir / "metrics.jsonl") if rank == 0 else None,
+        sink=JsonlFileSink(run_dir / METRICS_FILE) if rank == 0 else None,
         control=ControlFile(run_dir / "control.json"),
         rank=rank,
         world_size=world_size,

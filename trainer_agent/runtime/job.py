@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from trainer_agent.checkpoint import LATEST_FILE as LATEST_CHECKPOINT_FILE  # note_checkpoint
+from trainer_agent.launch import METRICS_FILE  # where the agent reads step records ($OMNI_METRICS_FILE)
 from trainer_agent.runtime.steps import ControlFile, JsonlFileSink, TrainerRuntime
 
 EXIT_FILE = "exit.json"
-METRICS_FILE = "metrics.jsonl"
 CONTROL_FILE = "control.json"
 
 
