@@ -411,10 +411,11 @@
       return Object.assign(layout, {xaxis: Object.assign(baseLayout().xaxis, {range: coveredRange(extent.min, extent.max)}),
         shapes: markerShapes(markers), annotations: id === "chart-step" ? markerAnnotations(markers) : []});
     }
+    // What an empty chart says instead of "No data yet": steps came, but they count no tokens.
+    const emptyText = {"chart-tokens": series.step.t.length ? "Its step records count no tokens" : ""};
     function redraw(id) {
       const div = document.getElementById(id);
-      const said = !hasPoints(div.data) && div.layout.annotations && div.layout.annotations[0];
-      plotChart(id, div.data, chartLayout(id, hasPoints(div.data)), hasPoints(div.data), said ? said.text : "");
+      plotChart(id, div.data, chartLayout(id, hasPoints(div.data)), hasPoints(div.data), emptyText[id]);
     }
     function growRange(xs) {
       widen(xs);
@@ -437,7 +438,7 @@
         x: series.tokens.t.slice(), y: series.tokens[m], name: m, stackgroup: "tokens", mode: "lines", line: {width: 0.5, color: modalityColours[m]},
       }));
       plotChart("chart-tokens", tokenTraces, chartLayout("chart-tokens", hasPoints(tokenTraces)), hasPoints(tokenTraces),
-                series.step.t.length ? "Its step records count no tokens" : "");
+                emptyText["chart-tokens"]);
     }
     function drawGpus() {  // the heat strip is redrawn from series as samples arrive
       let gpuTraces;
