@@ -225,7 +225,9 @@ else:
 
 # Celery: Redis as broker in production; in embedded mode tasks run eagerly in-process, and the
 # periodic ones are driven by omniweb.loop (the same task functions Celery would call).
-CELERY_BROKER_URL = REDIS_URL or "memory://"
+# An eager call still takes a producer from the pool, so the in-memory broker names its host:
+# "memory://" alone has kombu warn "No hostname was supplied" in the demo's log.
+CELERY_BROKER_URL = REDIS_URL or "memory://localhost/"
 CELERY_TASK_ALWAYS_EAGER = REDIS_URL is None
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_IGNORE_RESULT = True

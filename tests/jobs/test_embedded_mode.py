@@ -123,3 +123,26 @@ def test_the_demo_story_plays_once_per_database(db):
     assert not story_played()
     Node.objects.update(state="failed")  # an earlier run's agents all went silent: said, not silence
     assert "Every node of this database is failed" in no_agents_because()
+
+
+def test_an_eager_task_in_embedded_mode_logs_no_broker_warning(db, caplog, django_capture_on_commit_callbacks):
+    """Embedded mode runs tasks eagerly, but Celery still takes a producer from its pool, which
+    builds a connection to the in-memory broker: that must not warn in the demo's log."""
+    import logging
+
+    from kombu import pools
+
+    from jobs.actions._common import trigger_plan
+    from omniweb.celery import app
+
+    assert app.conf.task_always_eager
+    # The pools are per process: empty them, so this call builds the connection whatever ran first.
+    pools.reset()
+    app._pool = None
+    app.amqp._producer_pool = None
+    with caplog.at_level(logging.WARNING):
+        with django_capture_on_commit_callbacks(execute=True) as callbacks:
+            trigger_plan("test")
+    assert callbacks  # the pass ran (it may queue callbacks of its own)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings, warnings
