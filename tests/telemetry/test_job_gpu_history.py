@@ -128,3 +128,25 @@ def test_live_frames_reach_only_the_job_that_holds_the_gpu_now(node, make_job, r
     assert message["payload"]["job"] == second.pk
     assert [p["gpu"] for p in message["payload"]["points"]] == [0]
     assert received_within(layer, channels[first.pk], 0.3) is None
+
+
+def test_the_console_draws_a_buckets_used_gpus_inside_it_never_before_its_readings(node, make_job):
+    """The console's day is 3-minute buckets: a bucket's mean is drawn at its middle (never past
+    now), so GPUs read from 90 s into a bucket do not appear at its start, before any job held them."""
+    from jobs.live_data import MAX_POINTS_PER_TRACE, utilisation_series
+
+    now = datetime.now(UTC)
+    since = now - timedelta(hours=24)
+    plan = queries.choose_plan(since, now, MAX_POINTS_PER_TRACE, traces=node.gpu_count)
+    assert (plan.level, plan.bucket_s) == ("minute", 180)
+    back = now.timestamp() - 2 * plan.bucket_s  # a whole bucket before the one now is in
+    bucket_start = datetime.fromtimestamp(plan.origin_s + (back - plan.origin_s) // plan.bucket_s * plan.bucket_s, UTC)
+    first_reading = bucket_start + timedelta(seconds=90)
+    _readings(node, 0, first_reading, 90, 50.0, seq=0)
+    for _ in range(6):
+        rollups.roll_up()
+    series = utilisation_series(since, now)
+    times_s = [t / 1000.0 for t in series["used_t"]]
+    assert times_s, series
+    assert times_s[0] == bucket_start.timestamp() + 90  # the middle of the readings' bucket
+    assert all(first_reading.timestamp() <= t <= now.timestamp() for t in times_s), times_s
