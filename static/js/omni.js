@@ -430,7 +430,7 @@
       // Each trace its own x array: Plotly's extendTraces appends to them.
       const stepTraces = [
         {x: series.step.t.slice(), y: series.step.step_s, name: "step time (mean over ranks)", mode: "lines+markers", marker: {size: 3}, line: {color: cssVar("--accent"), width: 1.6}},
-        {x: series.step.t.slice(), y: series.step.step_s_max, name: "slowest rank", mode: "lines", line: {color: cssVar("--suspect"), width: 1, dash: "dot"}},
+        {x: series.step.t.slice(), y: series.step.step_s_max, name: "slowest step of any rank", mode: "lines", line: {color: cssVar("--suspect"), width: 1, dash: "dot"}},
       ];
       plotChart("chart-step", stepTraces, chartLayout("chart-step", hasPoints(stepTraces)), hasPoints(stepTraces));
       drawGpus();
