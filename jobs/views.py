@@ -692,6 +692,10 @@ def audit(request: HttpRequest) -> HttpResponse:
 
 
 def _layout(dp: int | None, accum: int | None) -> str | None:
+    """"2×4" (DP × accumulation), "0" (no replica left: a stop), "2×·" (an old row without its
+    accumulation), None (neither)."""
+    if dp == 0:
+        return "0"
     return None if dp is None and accum is None else f"{dp if dp is not None else '·'}×{accum if accum is not None else '·'}"
 
 

@@ -555,7 +555,7 @@ def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None
     dispatch_on_commit({n.id for n in survivors})
     record_event(kind, job=job, actor=actor, command=command.id if command else None, refers_to=refers_to,
                  nodes_before=nodes, gpus_before=gpus_before, gpus_after=0, dp_before=job.dp,
-                 global_batch=job.global_batch,
+                 accum_before=job.accum_steps, dp_after=0, global_batch=job.global_batch,
                  outcome={**facts, **(extra or {})},
                  reason={"rule": "fault", "text": f"{text}; {_recovers(job, lost, clause)}.", "inputs": {}})
     return lost

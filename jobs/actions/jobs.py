@@ -332,7 +332,10 @@ def cancel_job(job: Job, actor) -> Job:
         nodes_before=nodes,
         gpus_before=gpus_before,
         gpus_after=0,
-        dp_before=job.dp,
+        # The layout it ran at, to none; a job cancelled while waiting ran at none.
+        dp_before=job.dp if gpus_before else None,
+        accum_before=job.accum_steps if gpus_before else None,
+        dp_after=0 if gpus_before else None,
         global_batch=job.global_batch,
         reason={"rule": "cancel", "text": f"{actor_name(actor)} cancelled {job.name}.", "inputs": {}},
     )

@@ -271,7 +271,8 @@ def _hold(a: _Applying) -> int:
     job.pending_reason, job.pending_cause, job.pending_since = text, cause, a.now
     job.save(update_fields=["pending_reason", "pending_cause", "pending_since"])
     record_event(EventKind.HOLD, job=job, actor=PLANNER_ACTOR, planner_run=a.run.id,
-                 reason=action.reason.to_dict(), dp_before=job.dp, global_batch=job.global_batch)
+                 reason=action.reason.to_dict(), dp_before=job.dp, accum_before=job.accum_steps, dp_after=job.dp,
+                 accum_after=job.accum_steps, global_batch=job.global_batch)
     return 0
 
 

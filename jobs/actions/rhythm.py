@@ -51,6 +51,7 @@ def observe_step_records(job_id: int, records: list[dict[str, Any]]) -> RhythmSt
 def _record_health(job: Job, finding: dict[str, Any]) -> None:
     """The post-change health check of a resize or a resume, in the audit trail."""
     record_event(EventKind.HEALTH_CHECK, job=job, actor="omni:rhythm", dp_before=job.dp,
+                 accum_before=job.accum_steps, dp_after=job.dp, accum_after=job.accum_steps,
                  global_batch=job.global_batch,
                  reason={"rule": "post_change_health" if finding["healthy"] else "post_change_unhealthy",
                          "text": finding["text"],
