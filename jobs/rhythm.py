@@ -281,10 +281,11 @@ class RhythmState:
         problems, notes = [], []
         mean, stdev = change["loss_mean"], change["loss_stdev"]
         losses = [entry[1] for entry in after if entry[1] is not None]
-        if first_step <= 1 and losses:
+        started_over = first_step <= 1 and change["kind"] != "resize"
+        if started_over and losses:
             # A run that started over (no checkpoint, or a signal-mode script's own save lost)
             # has an untrained model's loss: nothing before it is comparable.
-            notes.append("it started over from step 1, so its loss is not compared with the run before")
+            notes.append("it started over, so its loss is not compared with the run before")
         elif mean is not None and stdev is not None and losses:
             worst = max(losses)
             limit = max(mean + SPIKE_SIGMAS * stdev, mean * (1 + SPIKE_MIN_RISE))
@@ -312,13 +313,14 @@ class RhythmState:
             problems.append(f"steps did not follow one another after the change ({steps})")
         else:
             notes.append(f"steps went on from {first_step}")
-        what = "resize" if change["kind"] == "resize" else "resume"
+        # "the restart from step 1", not "the resume at step 1": nothing was resumed.
+        what = "resize at step" if change["kind"] == "resize" else ("restart from step" if started_over else "resume at step")
         layout_words = (f" (dp {before.get('dp')} -> {first_layout.get('dp')})"
                         if change["kind"] == "resize" else "")
         if problems:
-            text = f"After the {what} at step {first_step}{layout_words}: " + "; ".join(problems) + "."
+            text = f"After the {what} {first_step}{layout_words}: " + "; ".join(problems) + "."
         else:
-            text = f"After the {what} at step {first_step}{layout_words} the run is healthy: " + "; ".join(notes) + "."
+            text = f"After the {what} {first_step}{layout_words} the run is healthy: " + "; ".join(notes) + "."
         return {"step": first_step, "kind": change["kind"], "healthy": not problems, "text": text}
 
     def observe_checkpoint(self, save_s: float | None = None, load_s: float | None = None) -> None:

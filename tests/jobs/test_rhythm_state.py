@@ -182,7 +182,8 @@ def test_a_run_that_starts_over_from_step_one_is_not_judged_by_the_trained_runs_
     state.observe(fresh, dp=2)
     (finding,) = state.findings
     assert finding["healthy"] and finding["step"] == 1
-    assert "started over from step 1, so its loss is not compared" in finding["text"]
+    assert finding["text"].startswith("After the restart from step 1 the run is healthy: it started over, so its loss "
+                                      "is not compared with the run before;"), finding["text"]
     state.observe(_losses(records(11, 60, start_at=6000.0, run="b"), 0.05), dp=2)
     state.observe(_losses(records(2, 11, start_at=9000.0, run="c"), 7.0), dp=2)
     assert not state.findings[-1]["healthy"] and "the loss spiked to 7" in state.findings[-1]["text"]
