@@ -70,7 +70,8 @@ def gpu_shape(tp: int, pp: int, dp: int) -> str:
 def returning_sentence(gpus: int, names: Sequence[str], tp: int, pp: int, dp: int) -> str:
     """A hold that waits for GPUs the jobs ``names`` are giving back, then starts at ``dp``."""
     who = join_words(list(names[:5]) + ([f"{len(names) - 5} more"] if len(names) > 5 else [])) or "other jobs"
-    return (f"{plural(gpus, 'GPU')} are on their way back from {who}, which save a checkpoint first; "
+    way = f"on {agree(gpus, 'its', 'their')} way back"
+    return (f"{gpus_are(gpus, way)} from {who}, which {agree(len(names), 'saves', 'save')} a checkpoint first; "
             f"then it starts with {gpu_shape(tp, pp, dp)}.")
 
 

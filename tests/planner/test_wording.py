@@ -6,7 +6,7 @@ import re
 from datetime import UTC, datetime
 
 from jobs.planner import PlannerConfig, Reservation, plan
-from jobs.planner.wording import duration_words, fmt_t, gpu_shape
+from jobs.planner.wording import duration_words, fmt_t, gpu_shape, returning_sentence
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
 # A bare Unix second in a sentence, the way the first version wrote them.
@@ -81,3 +81,11 @@ def test_one_gpu_is_one_gpu_in_every_sentence_of_a_one_gpu_job() -> None:
     pair = job("pair", "regular", dp=2, dp_max=2, tp=1, global_batch=8)
     (start,) = plan(snapshot(nodes, [pair]), NOW, PRODUCTION).by_kind("place")
     assert "(2 GPUs, " in start.reason.text and "2 GPUs were free" in start.reason.text
+
+
+def test_gpus_on_their_way_back_agree_with_their_count_and_their_jobs() -> None:
+    """A hold read "1 GPU are on their way back from ablation-lr, which save a checkpoint first"."""
+    one = returning_sentence(1, ["ablation-lr"], 1, 1, 1)
+    assert one == "1 GPU is on its way back from ablation-lr, which saves a checkpoint first; then it starts with 1 GPU."
+    many = returning_sentence(4, ["a", "b"], 1, 1, 4)
+    assert many.startswith("4 GPUs are on their way back from a and b, which save a checkpoint first;"), many
