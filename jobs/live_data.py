@@ -519,7 +519,9 @@ def rhythm_summary(job: Job) -> dict[str, Any] | None:
                         for p in state.phases(checkpoint_every=job.checkpoint_every_steps)],
         "shares": {name: round(value, 3) for name, value in state.shares.items()},
         "bubble_share": round(bubble, 3),
-        "diagnosis": state.diagnosis(bubble, clock=_clock_words),
+        "diagnosis": state.diagnosis(bubble, clock=_clock_words) or (
+            "after 10 steps" if state.records < 10 else
+            "not measured: its step records give no compute, data-wait and communication times"),
         "last_check": state.findings[-1] if state.findings else None,
         "stragglers": [{"rank": rank, "node": state.rank_nodes[rank] if rank < len(state.rank_nodes) else None,
                         "slowdown": round(ratio, 2)} for rank, ratio in sorted(state.stragglers(factor).items())],

@@ -178,3 +178,21 @@ def test_metrics_export_every_prediction_error_and_the_gpu_time_lost(running):
     assert 'omni_prediction_error_p95_across_jobs{prediction="reclaim",stat="max"} 0.2' in text
     lost = next(line for line in text.splitlines() if line.startswith("omni_job_gpu_time_lost_share{"))
     assert lost.startswith('omni_job_gpu_time_lost_share{job="measured",to="pause"} 0.')
+
+
+def test_the_card_says_why_it_cannot_say_where_the_time_goes(running):
+    """A plain script's records carry only step and step time: the card's "Where the time goes"
+    was an empty cell. It says "after 10 steps" until then, and then that they were not measured."""
+    from jobs.live_data import rhythm_summary
+    from jobs.models import Job
+
+    job, _ = running
+    bare = [{"step": r["step"], "step_s": r["step_s"], "at": r["at"]} for r in records(1, 30)]
+    actions.observe_step_records(job.pk, bare[:5])
+    assert rhythm_summary(Job.objects.select_related("rhythm").get(pk=job.pk))["diagnosis"] == "after 10 steps"
+    actions.observe_step_records(job.pk, bare[5:])
+    summary = rhythm_summary(Job.objects.select_related("rhythm").get(pk=job.pk))
+    assert summary["diagnosis"] == "not measured: its step records give no compute, data-wait and communication times"
+    actions.observe_step_records(job.pk, records(31, 45, start_at=2000.0))
+    summary = rhythm_summary(Job.objects.select_related("rhythm").get(pk=job.pk))
+    assert summary["diagnosis"].startswith("Each step is 80% compute"), summary["diagnosis"]

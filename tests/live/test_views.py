@@ -528,6 +528,7 @@ def test_job_page_shows_the_workload_with_env_names_but_never_values(researcher,
     assert "steps its script reported" in body and "steps committed" not in body
     assert 'data-f="at">: its script saves its own, which Omni does not see</span>' in body
     assert "This signal-mode script has reported no steps" in body and "$OMNI_METRICS_FILE" in body
+    assert "None seen: its script saves its own, which Omni does not see." in _job_section(body, "checkpoints")
     omni = client_for(researcher).get(reverse("job-page", args=[cluster["waiting"].pk])).content.decode()
     assert "steps committed" in omni and "steps its script reported" not in omni
 
