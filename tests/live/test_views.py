@@ -568,3 +568,25 @@ def test_a_missing_page_is_the_sites_own_404_with_a_way_back(researcher):
     body = response.content.decode()
     assert "<h1>Not found</h1>" in body and "<code>/jobs/987654/</code>" in body
     assert 'rel="icon"' in body and reverse("dashboard") in body  # the site's frame, not Django's bare page
+
+
+def test_a_jobs_charts_are_cut_from_its_own_life_in_the_range_not_the_whole_range(researcher, operator, cluster):
+    """A half-minute job on the 6 h view drew two 37 s buckets: the buckets are now cut from the
+    part of the range the job lived in (a minute either side)."""
+    from jobs.models import Job
+
+    def chart(user, job):
+        html = client_for(user).get(reverse("job-page", args=[job.pk]) + "?range=6h").content.decode()
+        data = json.loads(re.search(r'<script id="chart-data" type="application/json">(.*?)</script>', html, re.S).group(1))
+        return data["series"], html
+
+    series, html = chart(researcher, cluster["mine"])  # submitted a moment ago
+    assert (series["level"], series["bucket_s"]) == ("raw", 1), series
+    assert "history from raw data, 1 s buckets" in html
+    ended = timezone.now() - timedelta(hours=3)
+    Job.objects.filter(pk=cluster["theirs"].pk).update(submitted_at=ended - timedelta(minutes=2), finished_at=ended)
+    series, _ = chart(operator, cluster["theirs"])  # four minutes, three hours ago
+    assert (series["level"], series["bucket_s"]) == ("raw", 1), series
+    Job.objects.filter(pk=cluster["theirs"].pk).update(submitted_at=timezone.now() - timedelta(days=2))
+    series, _ = chart(operator, cluster["theirs"])  # older than the range: the range's own buckets
+    assert series["bucket_s"] > 1, series
