@@ -325,6 +325,15 @@ def when(value: str | None) -> str:
         return value
 
 
+def facts(outcome: Any) -> str:
+    """An audit row's outcome as ``key=value`` pairs (JSON for a nested value), empty ones left
+    out: ``ack_ms=647.4 attempts=1 kind=start``, not a Python dict's repr."""
+    if not isinstance(outcome, dict):
+        return "" if outcome is None else str(outcome)
+    return " ".join(f"{key}={value if isinstance(value, str) else json.dumps(value, separators=(',', ':'))}"
+                    for key, value in outcome.items() if value is not None and value != "")
+
+
 def steps(job: dict) -> str:
     if "total_steps" not in job:
         return "-"
@@ -564,7 +573,7 @@ def events(ctx: Ctx, job: str, limit: int) -> None:
         emit_json(rows)
         return
     table(["AT", "KIND", "ACTOR", "OUTCOME", "REASON"],
-          [[when(r["at"]), r["kind"], r["actor"], r.get("outcome") or "",
+          [[when(r["at"]), r["kind"], r["actor"], facts(r.get("outcome")),
             (r.get("reason") or {}).get("text", "") if isinstance(r.get("reason"), dict) else ""] for r in rows],
           f"No audit rows for {name}.")
 

@@ -323,3 +323,11 @@ def test_the_cli_drives_a_job_through_the_api(asgi_server, researcher, operator,
     assert "ddp-plain" in omni("jobs").stdout
     write(tmp_path / "bad", "not-a-token\n")
     assert "omni: error:" in omni("login", "--url", asgi_server, "--token-file", str(tmp_path / "bad"), code=1).stderr
+
+
+def test_an_outcome_reads_as_key_value_facts_not_a_python_dict():
+    """`omni events` printed an outcome as "{'ack_ms': 647.4, 'attempts': 1, ...}"."""
+    outcome = {"ack_ms": 647.4, "attempts": 1, "kind": "start", "ok": True, "checkpoint_step": None,
+               "layout": [["n1", 0]], "note": ""}
+    assert cli.facts(outcome) == 'ack_ms=647.4 attempts=1 kind=start ok=true layout=[["n1",0]]'
+    assert cli.facts(None) == "" and cli.facts({}) == ""
