@@ -95,8 +95,11 @@ def open_as(browser, asgi_server):
     """A fresh browser context signed in as ``user`` through the login form."""
     contexts = []
 
-    def open_as(user, password: str | None = None, *, dark: bool = False, timezone_id: str | None = None):
-        context = browser.new_context(viewport={"width": 1280, "height": 860}, accept_downloads=True,
+    def open_as(user, password: str | None = None, *, dark: bool = False, timezone_id: str | None = None,
+                phone: bool = False):
+        screen = {"viewport": {"width": 390, "height": 844}, "is_mobile": True, "has_touch": True} if phone else \
+            {"viewport": {"width": 1280, "height": 860}}
+        context = browser.new_context(**screen, accept_downloads=True,
                                       color_scheme="dark" if dark else "light", timezone_id=timezone_id)
         contexts.append(context)
         page = context.new_page()
@@ -245,6 +248,25 @@ def test_a_waiting_rows_words_follow_the_planner_live(open_as, asgi_server, rese
     text = last.inner_text()
     assert text.startswith("Waiting since ") and "undefined" not in text, text
     assert Job.objects.get(pk=job.pk).pending_reason in text
+
+
+def test_every_page_fits_a_phones_width_in_one_column(open_as, asgi_server, researcher, operator, auditor, running_job):
+    """On a 390 px phone nothing scrolls sideways (wide tables scroll inside their card) and the
+    job page's cards stack: the body was 1,100 px wide at least."""
+    job, _, _ = running_job
+    width = "document.documentElement.scrollWidth"
+    page = open_as(researcher, phone=True)
+    assert page.evaluate(width) <= 390
+    page.goto(f"{asgi_server}/jobs/{job.pk}/")
+    assert page.evaluate(width) <= 390
+    timelines, rhythm = page.locator("#chart-step").bounding_box(), page.locator("#rhythm").bounding_box()
+    assert rhythm["y"] > timelines["y"] + timelines["height"]  # one column: the side cards come below
+    assert page.locator("text=Cancel job").is_visible()
+    page.screenshot(path=str(ARTIFACTS / "phone-job-page.png"), full_page=True)
+    for user, path in ((operator, "/console/"), (auditor, "/audit/"), (operator, "/teams/")):
+        page = open_as(user, phone=True)
+        page.goto(f"{asgi_server}{path}")
+        assert page.evaluate(width) <= 390, path
 
 
 def test_anonymous_visitor_is_sent_to_login(browser, asgi_server):
