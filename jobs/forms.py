@@ -222,6 +222,48 @@ class ReservationForm(forms.Form):
 
 
 
+class TeamForm(forms.Form):
+    """Create or edit a team (operators; ``jobs.actions.teams`` checks every rule and records the
+    audit row). A team's name is fixed once made: editing changes its place and its numbers."""
+
+    name = forms.CharField(max_length=64, help_text="Letters, digits, - and _; fixed once made.")
+    parent = forms.ModelChoiceField(queryset=Team.objects.order_by("name"), required=False, label="Inside",
+                                    help_text="The enclosing team (an organisation), or none.")
+    quota_gpus = forms.IntegerField(min_value=0, initial=0, label="Quota (GPUs)",
+                                    help_text="Guaranteed GPUs: a team below its quota takes borrowed GPUs back.")
+    borrow_limit_gpus = forms.IntegerField(min_value=0, required=False, label="Borrowing limit (GPUs)",
+                                           help_text="How many idle GPUs beyond its quota it may hold; empty: no limit.")
+    weight = forms.FloatField(min_value=0.001, initial=1.0, help_text="Its share of idle GPUs against other teams'.")
+
+    def __init__(self, *args: Any, instance: Team | None = None, **kwargs: Any):
+        self.instance = instance
+        if instance is not None and "initial" not in kwargs:
+            kwargs["initial"] = {"name": instance.name, "parent": instance.parent_id, "quota_gpus": instance.quota_gpus,
+                                 "borrow_limit_gpus": instance.borrow_limit_gpus, "weight": instance.weight}
+        super().__init__(*args, **kwargs)
+        if instance is not None:
+            self.fields["name"].disabled = True
+            self.fields["parent"].queryset = Team.objects.exclude(pk=instance.pk).order_by("name")
+
+    add_action_errors = ReservationForm.add_action_errors
+
+
+class TeamMemberForm(forms.Form):
+    """Add a user to a team by user name."""
+
+    user = forms.CharField(max_length=150, label="User name")
+    default = forms.BooleanField(required=False, label="Make it their default team")
+
+    def clean_user(self) -> Any:
+        from django.contrib.auth import get_user_model
+
+        name = self.cleaned_data["user"].strip()
+        user = get_user_model().objects.filter(username=name).first()
+        if user is None:
+            raise ValidationError(f"no user named {name!r}")
+        return user
+
+
 class SubmitJobForm(forms.Form):
     """The dashboard's submit form: one job's spec, each field parsed and range-checked here
     (the API serializer's ranges); everything across fields and against the cluster is

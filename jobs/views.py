@@ -32,13 +32,22 @@ from django.http import (
     StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs import actions, roles
 from jobs.actions.jobs import SubmissionCheck, check_submission, entrypoint_words
 from jobs.audit import GENESIS_HASH, link_problem
-from jobs.forms import AuditFilterForm, JobFilterForm, PlannerControlForm, ReservationForm, SubmitJobForm
+from jobs.forms import (
+    AuditFilterForm,
+    JobFilterForm,
+    PlannerControlForm,
+    ReservationForm,
+    SubmitJobForm,
+    TeamForm,
+    TeamMemberForm,
+)
 from jobs.live_consumers import payload_for_user
 from jobs.live_data import (
     CLASS_ORDER,
@@ -73,6 +82,7 @@ from jobs.models import (
     PlannerControl,
     Reservation,
     Team,
+    TeamInUse,
 )
 from jobs.planner.layout import fit_problems
 from jobs.planner.wording import plural
@@ -545,8 +555,6 @@ def node_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
 
 
 def _console_url() -> str:
-    from django.urls import reverse
-
     return reverse("console")
 
 
@@ -647,9 +655,76 @@ def team_page(request: HttpRequest, pk: int) -> HttpResponse:
             "id": team.pk, "name": team.name, "since": (now - RANGES[range_key]).isoformat(), "now": now.isoformat(),
             "usage": team_usage_series(team, now - RANGES[range_key], now),
             "quota_gpus": team.quota_gpus, "borrow_limit_gpus": team.borrow_limit_gpus,
+            # Operators' remove buttons, redrawn with each members refresh (omni.js teamPage).
+            "members_url": reverse("team-page-members", args=[team.pk]) if roles.is_operator(request.user) else None,
         },
     }
     return render(request, "jobs/team_detail.html", context)
+
+
+operator_only = role_required(roles.is_operator, "only operators change teams")
+
+
+@operator_only
+def team_edit(request: HttpRequest, pk: int | None = None) -> HttpResponse:
+    """Create (pk None) or edit a team, with the action's validation on the form (400 when refused)."""
+    instance = get_object_or_404(Team.objects.select_related("parent"), pk=pk) if pk else None
+    form = TeamForm(request.POST or None, instance=instance)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            if instance is None:
+                team = actions.create_team(request.user, **data)
+                messages.success(request, f"Team {team.name} created.")
+            else:
+                changes = {k: data[k] for k in actions.TEAM_EDITABLE if data[k] != getattr(instance, k)}
+                team = actions.edit_team(instance, request.user, **changes) if changes else instance
+                messages.success(request, f"Team {team.name} saved." if changes else f"Team {team.name} unchanged.")
+            return redirect("team-page", team.pk)
+        except ValidationError as exc:
+            form.add_action_errors(exc)
+    context = {**_page_context(request, "teams"), "form": form, "instance": instance}
+    return render(request, "jobs/team_form.html", context, status=400 if form.errors else 200)
+
+
+@require_POST
+@operator_only
+def team_delete(request: HttpRequest, pk: int) -> HttpResponse:
+    """Delete a team nothing names any more; while something does, say what (409)."""
+    team = get_object_or_404(Team, pk=pk)
+    try:
+        actions.delete_team(team, request.user)
+    except TeamInUse as exc:
+        messages.error(request, f"Not deleted: {exc}.")
+        return redirect("team-page", team.pk)
+    messages.success(request, f"Team {team.name} deleted.")
+    return redirect("teams")
+
+
+@require_POST
+@operator_only
+def team_members(request: HttpRequest, pk: int) -> HttpResponse:
+    """Add a member (``user``, ``default``), or with ``remove`` take one out."""
+    team = get_object_or_404(Team, pk=pk)
+    form = TeamMemberForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "; ".join(f"{e}" for errors in form.errors.values() for e in errors))
+        return redirect(f"{team_url(team)}#team-members")
+    user = form.cleaned_data["user"]
+    try:
+        if request.POST.get("remove"):
+            actions.remove_team_member(team, request.user, user)
+            messages.success(request, f"{user.get_username()} is no longer in team {team.name}.")
+        else:
+            actions.add_team_member(team, request.user, user, default=form.cleaned_data["default"])
+            messages.success(request, f"{user.get_username()} added to team {team.name}.")
+    except ValidationError as exc:
+        messages.error(request, "; ".join(exc.messages))
+    return redirect(f"{team_url(team)}#team-members")
+
+
+def team_url(team: Team) -> str:
+    return reverse("team-page", args=[team.pk])
 
 
 # -- auditors: the review -----------------------------------------------------------------------

@@ -18,7 +18,8 @@ class TeamInUse(Exception):
     def __init__(self, team: Team, holders: dict[str, int]) -> None:
         self.team = team
         self.holders = holders
-        words = ", ".join(f"{n} {what}" for what, n in holders.items() if n)
+        one = {"jobs": "job", "reservations": "reservation", "teams inside it": "team inside it"}
+        words = ", ".join(f"{n} {one.get(what, what) if n == 1 else what}" for what, n in holders.items() if n)
         super().__init__(f"team {team.name} still has {words}: move or finish them first")
 
 

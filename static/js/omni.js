@@ -153,19 +153,20 @@
     document.body.append(form);
     form.submit();
   }
-  function initConfirmForms() {
-    $$("form[data-confirm]").forEach((form) => {
-      form.addEventListener("submit", async (event) => {
-        if (form.dataset.confirmed) return;
-        event.preventDefault();
-        const button = $("button[type=submit]", form);
-        const danger = button && button.classList.contains("danger");
-        if (await confirmDialog(button ? button.textContent : "Confirm", form.dataset.confirm, button ? button.textContent : "Confirm", danger)) {
-          form.dataset.confirmed = "1";
-          form.submit();
-        }
-      });
+  function confirmOnSubmit(form) {  // a form with data-confirm asks first (the page's dialog)
+    form.addEventListener("submit", async (event) => {
+      if (form.dataset.confirmed) return;
+      event.preventDefault();
+      const button = $("button[type=submit]", form);
+      const danger = button && button.classList.contains("danger");
+      if (await confirmDialog(button ? button.textContent : "Confirm", form.dataset.confirm, button ? button.textContent : "Confirm", danger)) {
+        form.dataset.confirmed = "1";
+        form.submit();
+      }
     });
+  }
+  function initConfirmForms() {
+    $$("form[data-confirm]").forEach(confirmOnSubmit);
   }
 
   // -- the live socket -----------------------------------------------------------------------------
@@ -917,8 +918,20 @@
           el("td", {}, [statePill(j.state, j.state_label)]), gpus,
         ].concat(withTeam ? [el("td", {text: j.team || ""})] : []));
       }) : [el("tr", {}, [el("td", {colspan: "5", class: "muted", text: "No running or waiting jobs."})])]));
-      $("#team-members ul").replaceChildren(...(detail.members.length ? detail.members.map((m) => el("li", {}, [m.user].concat(
-        m.default ? [" ", el("span", {class: "tag", text: "default team"})] : []))) : [el("li", {class: "muted", text: "No members."})]));
+      $("#team-members ul").replaceChildren(...(detail.members.length ? detail.members.map(memberItem)
+        : [el("li", {class: "muted", text: "No members."})]));
+    }
+    function memberItem(m) {  // templates/jobs/team_detail.html's row, with an operator's remove button
+      const children = [m.user].concat(m.default ? [" ", el("span", {class: "tag", title: "their jobs go here unless they name another team", text: "default team"})] : []);
+      if (data.members_url) {
+        const form = el("form", {method: "post", action: data.members_url, class: "inline", "data-confirm": "Take " + m.user + " out of team " + data.name + "?"}, [
+          el("input", {type: "hidden", name: "csrfmiddlewaretoken", value: csrfToken()}),
+          el("input", {type: "hidden", name: "user", value: m.user}), el("input", {type: "hidden", name: "remove", value: "1"}),
+          el("button", {type: "submit", class: "link danger", text: "remove"})]);
+        confirmOnSubmit(form);
+        children.push(" ", form);
+      }
+      return el("li", {"data-member": m.user}, children);
     }
     setInterval(refresh, 20000);
   }

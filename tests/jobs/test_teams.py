@@ -127,12 +127,12 @@ def test_bad_numbers_are_refused_by_field(operator, org, field, value):
 def test_a_team_with_jobs_or_reservations_or_teams_inside_is_not_deleted(operator, researcher, org, make_job):
     actions.add_team_member(org["vision"], operator, researcher)
     make_job(name="v1")
-    with pytest.raises(TeamInUse, match="team vision still has 1 jobs"):
+    with pytest.raises(TeamInUse, match="team vision still has 1 job:"):
         actions.delete_team(org["vision"], operator)
     with pytest.raises(TeamInUse, match="2 teams inside it"):
         actions.delete_team(org["lab"], operator)
     actions.create_reservation(operator, name="speech-window", team=org["speech"], gpus=2, start_at=timezone.now())
-    with pytest.raises(TeamInUse, match="1 reservations"):
+    with pytest.raises(TeamInUse, match="still has 1 reservation:"):
         actions.delete_team(org["speech"], operator)
     empty = actions.create_team(operator, name="empty", quota_gpus=2)
     actions.add_team_member(empty, operator, researcher)

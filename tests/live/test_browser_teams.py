@@ -91,3 +91,35 @@ def test_the_console_team_bars_follow_the_live_summary(open_as, asgi_server, ope
     assert bar.locator(".over").evaluate("el => el.style.width") == "25%"  # 1 of the track's 4 (quota + limit)
     assert "3 of 8 guaranteed GPUs" in page.locator("#team-quotas [data-team=lab]").inner_text()
     page.locator("#team-quotas").screenshot(path=str(shared.ARTIFACTS / "console-team-bars.png"))
+
+
+def test_an_operator_makes_a_team_adds_a_member_and_takes_them_out_again(open_as, asgi_server, operator, researcher):
+    """The Teams pages' operator controls: "New team" (the action's refusal shows on its field), a
+    member added by name, and removed from the list the page redraws from the API."""
+    in_thread(lambda: actions.create_team(operator, name="lab", quota_gpus=8))
+    page = open_as(operator)
+    page.clock.install()  # the members list is re-read every 20 s: run the page's clock past it
+    page.goto(f"{asgi_server}/teams/")
+    page.click("#team-new")
+    page.fill("#id_name", "lab")
+    page.fill("#id_quota_gpus", "6")
+    page.click("#team-form button[type=submit]")
+    assert "a team named 'lab' already exists" in page.locator("#team-form").inner_text()
+    page.fill("#id_name", "speech")
+    page.click("#team-form button[type=submit]")
+    page.wait_for_url(f"{asgi_server}/teams/*/")
+    assert page.locator("h1").inner_text().startswith("Team speech")
+    page.fill("#team-add-member input[name=user]", researcher.username)
+    page.click("#team-add-member button[type=submit]")
+    item = page.locator(f"#team-members li[data-member={researcher.username}]")
+    assert "default team" in item.inner_text().lower()
+    item.evaluate("li => { li.dataset.served = '1'; }")
+    page.clock.run_for(21_000)
+    page.locator(f"#team-members li[data-member={researcher.username}]:not([data-served])").wait_for()  # redrawn
+    page.click(f"#team-members li[data-member={researcher.username}] button")
+    dialog = page.locator("#confirm-dialog")
+    assert f"Take {researcher.username} out of team speech?" in dialog.inner_text()
+    page.click("#confirm-ok")
+    page.wait_for_load_state()
+    assert page.locator(f"#team-members li[data-member={researcher.username}]").count() == 0
+    assert "No members." in page.locator("#team-members").inner_text()
