@@ -90,6 +90,8 @@ from jobs.team_data import team_detail, team_standings, team_usage_series
 from jobs.waiting import waiting_note
 
 AUDIT_PAGE_SIZE = 100
+# The rows that end a job's last run, naming the nodes they released.
+ENDING_KINDS = frozenset({EventKind.COMPLETE, EventKind.FAIL, EventKind.CANCEL})
 EXPORT_CHUNK_ROWS = 2000
 CHAIN_VERIFY_BUDGET_ROWS = 200_000
 CHAIN_CACHE_KEY = "omni:audit-chain-verified"
@@ -294,6 +296,12 @@ def _ended(job: Job) -> dict[str, Any] | None:
             "ran": human_duration((job.finished_at - began).total_seconds()) if began else None}
 
 
+def _last_nodes(job: Job, newest_first: list[ElasticEvent]) -> str | None:
+    """Where a finished job last ran: the nodes its ending row released (the page's "ran on")."""
+    ended = next((e for e in newest_first if e.kind in ENDING_KINDS and e.nodes_before), None)
+    return compact_nodes(ended.nodes_before) if ended else None
+
+
 def _series_range(job: Job, since: datetime, now: datetime) -> tuple[datetime, datetime]:
     """The part of the page's range the job lived in (a minute either side): the buckets are cut
     from it, so a half-minute job on the 6 h view reads 1 s buckets, not two 37 s ones."""
@@ -348,6 +356,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "allocations": allocations,
         "by_node": by_node,
         "nodes_text": compact_nodes(by_node),
+        "ran_on": _last_nodes(job, events) if job.is_terminal and not by_node else None,
         "borrowed": sum(1 for a in allocations if a.borrowed_from_id),
         "loans": list(loans.values()),
         "events": [{"event": e, "text": describe_event(e, with_time=False)} for e in events],

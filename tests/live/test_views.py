@@ -590,3 +590,18 @@ def test_a_jobs_charts_are_cut_from_its_own_life_in_the_range_not_the_whole_rang
     Job.objects.filter(pk=cluster["theirs"].pk).update(submitted_at=timezone.now() - timedelta(days=2))
     series, _ = chart(operator, cluster["theirs"])  # older than the range: the range's own buckets
     assert series["bucket_s"] > 1, series
+
+
+def test_a_finished_jobs_header_says_where_it_ran(researcher, cluster):
+    """A finished job holds no GPUs: its header read "on —"; it says where its last run was."""
+    mine = cluster["mine"]
+    page = client_for(researcher).get(reverse("job-page", args=[mine.pk])).content.decode()
+    assert re.search(r'<span>on <b class="mono">r\d+s\d+n\d+</b></span>', page) and "ran on" not in page
+    actions.cancel_job(mine, researcher)
+    page = client_for(researcher).get(reverse("job-page", args=[mine.pk])).content.decode()
+    ran = re.search(r'<span>ran on <b class="mono">([^<]+)</b></span>', page)
+    assert ran and ran.group(1) == mine.events.get(kind="cancel").nodes_before[0]
+    waiting = cluster["waiting"]  # cancelled while waiting: it ran nowhere
+    actions.cancel_job(waiting, researcher)
+    page = client_for(researcher).get(reverse("job-page", args=[waiting.pk])).content.decode()
+    assert '<span>on <b class="mono">—</b></span>' in page and "ran on" not in page
