@@ -509,12 +509,26 @@ def status(ctx: Ctx, job: str) -> None:
             ("finished", when(row.get("finished_at"))),
             ("nodes", ", ".join(sorted({a["node"] for a in row.get("allocations", [])})) or "-"),
         ]
+        if fields[-1][1] == "-" and row.get("finished_at"):
+            fields[-1] = ("ran on", last_nodes(ctx.api, row["name"]) or "-")
         if row.get("failure"):
             fields.append(("failure", failure_words(row["failure"])))
     fields.append(("page", ctx.api.page_url(row)))
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         click.echo(f"{name.ljust(width)}  {'-' if value is None else value}")
+
+
+# The audit rows that end a job's last run, naming the nodes they released (jobs.views.ENDING_KINDS).
+ENDING_KINDS = ("complete", "fail", "cancel")
+
+
+def last_nodes(api: Api, name: str) -> str | None:
+    """Where a finished job last ran: the nodes its ending row released (newest rows first)."""
+    for event in api.pages("/api/events/", [("job", name), ("limit", 20)], 20):
+        if event["kind"] in ENDING_KINDS and event.get("nodes_before"):
+            return ", ".join(sorted(event["nodes_before"]))
+    return None
 
 
 def why_words(api: Api, job: dict) -> str:

@@ -283,10 +283,16 @@ def test_the_cli_drives_a_job_through_the_api(asgi_server, researcher, operator,
     only = [json.loads(line) for line in omni("logs", "ddp-plain", "--rank", "1", "--json").stdout.splitlines()]
     assert [line["text"] for line in only] == ["step 0 rank 1", "step 1 rank 1", "step 2 rank 1"]
 
+    from jobs.models import Node
+
+    node = Node.objects.get(name="r0s0n1")
+    actions.place_job(job, [(node, 0), (node, 1)], actor="planner", reason={"rule": "place", "text": "Placed.", "inputs": {}})
+    assert "nodes        r0s0n1\n" in omni("status", "ddp-plain").stdout
     cancelled = omni("cancel", "ddp-plain")
     assert "cancelled" in cancelled.stdout
     job.refresh_from_db()
     assert job.state == "cancelled"
+    assert "ran on       r0s0n1\n" in omni("status", "ddp-plain").stdout  # where its last run was
     assert omni("cancel", "ddp-plain", code=1).stderr.startswith("omni: error: ")  # a 409
     # Following the log of an ended job prints what there is and returns.
     assert len(omni("logs", "-f", "ddp-plain").stdout.splitlines()) == 6
