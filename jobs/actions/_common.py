@@ -41,6 +41,18 @@ def release_allocations(job: Job) -> list[str]:
     return nodes
 
 
+def stopped_layout(job: Job) -> dict[str, int]:
+    """An audit row's layout fields for a run that ends (completed, cancelled, failed, faulted):
+    the DP and accumulation it ran at, to no replica (the audit page's "2×8 → 0")."""
+    return {"dp_before": job.dp, "accum_before": job.accum_steps, "dp_after": 0}
+
+
+def kept_layout(job: Job) -> dict[str, int]:
+    """An audit row's layout fields for a decision that changes no layout (a hold, a health check):
+    the same on both sides (the audit page's "2×8")."""
+    return {"dp_before": job.dp, "accum_before": job.accum_steps, "dp_after": job.dp, "accum_after": job.accum_steps}
+
+
 def lose_unsaved_steps(job: Job) -> int:
     """Roll progress back to the last completed checkpoint; return how many steps were lost."""
     lost = max(0, job.committed_steps - job.last_checkpoint_step)

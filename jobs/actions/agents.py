@@ -22,6 +22,7 @@ from jobs.actions._common import (
     lost_facts,
     note_checkpoint,
     release_allocations,
+    stopped_layout,
     trigger_plan,
 )
 from jobs.actions.commands import (
@@ -265,8 +266,7 @@ def _complete(job: Job, actor: str, outcome: dict[str, Any]) -> None:
     # which Omni never sees, so its row says only how far it went.
     reached = {"step" if job.integration == Integration.OMNI else "steps": job.committed_steps}
     record_event(EventKind.COMPLETE, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before,
-                 gpus_after=0, dp_before=job.dp, accum_before=job.accum_steps, dp_after=0,
-                 global_batch=job.global_batch, outcome=reached,
+                 gpus_after=0, **stopped_layout(job), global_batch=job.global_batch, outcome=reached,
                  reason={"rule": "complete", "text": f"{job.name} finished at step {job.committed_steps}.",
                          "inputs": {}})
 
@@ -341,7 +341,7 @@ def _fail_or_restart(job: Job, node: Node, actor: str, outcome: dict[str, Any]) 
     dispatch_on_commit({n.id for n in survivors})
     limit = f"no restarts left ({job.max_restarts} allowed)" if job.max_restarts else "max_restarts is 0"
     record_event(EventKind.FAIL, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before, gpus_after=0,
-                 dp_before=job.dp, accum_before=job.accum_steps, dp_after=0, global_batch=job.global_batch,
+                 **stopped_layout(job), global_batch=job.global_batch,
                  outcome={"failure": failure, **lost_facts(job, lost, resumes=False)[0], "restarts": job.restarts},
                  reason={"rule": "script_failed", "text": f"{words}; {limit}: the job failed, the other ranks "
                          "were stopped and its GPUs released.", "inputs": {"max_restarts": job.max_restarts}})

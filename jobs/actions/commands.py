@@ -35,6 +35,7 @@ from jobs.actions._common import (
     lost_facts,
     note_checkpoint,
     release_allocations,
+    stopped_layout,
     trigger_plan,
 )
 from jobs.actions.housekeeping import run_dir_clean_done
@@ -554,8 +555,8 @@ def record_job_fault(job: Job, actor: str, text: str, *, command: Command | None
     write_stop_commands(job, survivors)
     dispatch_on_commit({n.id for n in survivors})
     record_event(kind, job=job, actor=actor, command=command.id if command else None, refers_to=refers_to,
-                 nodes_before=nodes, gpus_before=gpus_before, gpus_after=0, dp_before=job.dp,
-                 accum_before=job.accum_steps, dp_after=0, global_batch=job.global_batch,
+                 nodes_before=nodes, gpus_before=gpus_before, gpus_after=0, **stopped_layout(job),
+                 global_batch=job.global_batch,
                  outcome={**facts, **(extra or {})},
                  reason={"rule": "fault", "text": f"{text}; {_recovers(job, lost, clause)}.", "inputs": {}})
     return lost

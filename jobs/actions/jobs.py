@@ -15,7 +15,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from jobs.actions._common import actor_name, describe_changes, release_allocations, trigger_plan_with_broker
+from jobs.actions._common import (
+    actor_name,
+    describe_changes,
+    release_allocations,
+    stopped_layout,
+    trigger_plan_with_broker,
+)
 from jobs.actions.commands import dispatch_on_commit, write_stop_commands
 from jobs.actions.edits import FieldErrors, changed_facts, refuse_invalid, wait_for_planner, with_changes
 from jobs.actions.teams import default_team, is_member
@@ -332,10 +338,7 @@ def cancel_job(job: Job, actor) -> Job:
         nodes_before=nodes,
         gpus_before=gpus_before,
         gpus_after=0,
-        # The layout it ran at, to none; a job cancelled while waiting ran at none.
-        dp_before=job.dp if gpus_before else None,
-        accum_before=job.accum_steps if gpus_before else None,
-        dp_after=0 if gpus_before else None,
+        **(stopped_layout(job) if gpus_before else {}),  # a job cancelled while waiting ran at no layout
         global_batch=job.global_batch,
         reason={"rule": "cancel", "text": f"{actor_name(actor)} cancelled {job.name}.", "inputs": {}},
     )

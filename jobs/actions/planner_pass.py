@@ -21,7 +21,14 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from jobs.actions._common import PLANNER_ACTOR, actor_name, describe_changes, kill_and_release, lost_facts
+from jobs.actions._common import (
+    PLANNER_ACTOR,
+    actor_name,
+    describe_changes,
+    kept_layout,
+    kill_and_release,
+    lost_facts,
+)
 from jobs.actions.commands import dispatch_on_commit, nodes_in_order, write_commands
 from jobs.audit import record_event
 from jobs.models import Allocation, Command, Job, JobState, Node, PlannerControl, PlannerRun, Reservation
@@ -271,8 +278,7 @@ def _hold(a: _Applying) -> int:
     job.pending_reason, job.pending_cause, job.pending_since = text, cause, a.now
     job.save(update_fields=["pending_reason", "pending_cause", "pending_since"])
     record_event(EventKind.HOLD, job=job, actor=PLANNER_ACTOR, planner_run=a.run.id,
-                 reason=action.reason.to_dict(), dp_before=job.dp, accum_before=job.accum_steps, dp_after=job.dp,
-                 accum_after=job.accum_steps, global_batch=job.global_batch)
+                 reason=action.reason.to_dict(), **kept_layout(job), global_batch=job.global_batch)
     return 0
 
 

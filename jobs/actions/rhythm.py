@@ -17,7 +17,7 @@ from typing import Any
 
 from django.db import transaction
 
-from jobs.actions._common import trigger_plan
+from jobs.actions._common import kept_layout, trigger_plan
 from jobs.audit import record_event
 from jobs.models import Job, JobRhythm, Node
 from jobs.rhythm import STRAGGLER_WINDOW, RhythmState
@@ -50,8 +50,7 @@ def observe_step_records(job_id: int, records: list[dict[str, Any]]) -> RhythmSt
 
 def _record_health(job: Job, finding: dict[str, Any]) -> None:
     """The post-change health check of a resize or a resume, in the audit trail."""
-    record_event(EventKind.HEALTH_CHECK, job=job, actor="omni:rhythm", dp_before=job.dp,
-                 accum_before=job.accum_steps, dp_after=job.dp, accum_after=job.accum_steps,
+    record_event(EventKind.HEALTH_CHECK, job=job, actor="omni:rhythm", **kept_layout(job),
                  global_batch=job.global_batch,
                  reason={"rule": "post_change_health" if finding["healthy"] else "post_change_unhealthy",
                          "text": finding["text"],
