@@ -11,6 +11,7 @@ import shlex
 from typing import Any
 
 from django import forms
+from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.db.models import Q, TextField
 from django.db.models.functions import Cast
@@ -175,7 +176,19 @@ class PlannerControlForm(forms.ModelForm):
         widgets = {"safety_factor": forms.NumberInput(attrs={"step": "0.1", "min": "1", "max": "10"})}
 
 
-class ReservationForm(forms.Form):
+class ActionErrorsMixin:
+    """A form an action validates after it: the action's ValidationError lands on the fields it
+    names (the rest on the form as a whole)."""
+
+    def add_action_errors(self, error: ValidationError) -> None:
+        if hasattr(error, "error_dict"):
+            for field, messages in error.message_dict.items():
+                self.add_error(field if field in self.fields else None, messages)
+        else:
+            self.add_error(None, error.messages)
+
+
+class ReservationForm(ActionErrorsMixin, forms.Form):
     """Create or edit a reservation; a recurring one has both a period and an active span."""
 
     name = forms.SlugField(max_length=128)
@@ -212,17 +225,9 @@ class ReservationForm(forms.Form):
             raise ValidationError("A recurring reservation needs both 'repeats every' and 'active for'.")
         return data
 
-    def add_action_errors(self, error: ValidationError) -> None:
-        """Show an action's ValidationError on the fields it names (or on the form)."""
-        if hasattr(error, "error_dict"):
-            for field, messages in error.message_dict.items():
-                self.add_error(field if field in self.fields else None, messages)
-        else:
-            self.add_error(None, error.messages)
 
 
-
-class TeamForm(forms.Form):
+class TeamForm(ActionErrorsMixin, forms.Form):
     """Create or edit a team (operators; ``jobs.actions.teams`` checks every rule and records the
     audit row). A team's name is fixed once made: editing changes its place and its numbers."""
 
@@ -245,8 +250,6 @@ class TeamForm(forms.Form):
             self.fields["name"].disabled = True
             self.fields["parent"].queryset = Team.objects.exclude(pk=instance.pk).order_by("name")
 
-    add_action_errors = ReservationForm.add_action_errors
-
 
 class TeamMemberForm(forms.Form):
     """Add a user to a team by user name."""
@@ -255,8 +258,6 @@ class TeamMemberForm(forms.Form):
     default = forms.BooleanField(required=False, label="Make it their default team")
 
     def clean_user(self) -> Any:
-        from django.contrib.auth import get_user_model
-
         name = self.cleaned_data["user"].strip()
         user = get_user_model().objects.filter(username=name).first()
         if user is None:

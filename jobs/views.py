@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from functools import wraps
 from pathlib import Path
@@ -591,6 +591,11 @@ def planner_control(request: HttpRequest) -> HttpResponse:
     return redirect(f"{_console_url()}#planner")
 
 
+def _changed(data: dict[str, Any], instance: Any, editable: Iterable[str]) -> dict[str, Any]:
+    """The editable fields an edit form's ``data`` changes on ``instance`` (what the action gets)."""
+    return {k: data[k] for k in editable if k in data and data[k] != getattr(instance, k)}
+
+
 @login_required
 def reservation_edit(request: HttpRequest, pk: int | None = None) -> HttpResponse:
     """Create (pk None) or edit a reservation, with the action's validation on the form."""
@@ -606,7 +611,7 @@ def reservation_edit(request: HttpRequest, pk: int | None = None) -> HttpRespons
                 actions.create_reservation(request.user, **data)
                 messages.success(request, f"Reservation {data['name']} created.")
             else:
-                changes = {k: data[k] for k in actions.RESERVATION_EDITABLE if data.get(k) != getattr(instance, k)}
+                changes = _changed(data, instance, actions.RESERVATION_EDITABLE)
                 if changes:
                     actions.update_reservation(instance, request.user, **changes)
                 messages.success(request, f"Reservation {instance.name} saved.")
@@ -686,7 +691,7 @@ def team_edit(request: HttpRequest, pk: int | None = None) -> HttpResponse:
                 team = actions.create_team(request.user, **data)
                 messages.success(request, f"Team {team.name} created.")
             else:
-                changes = {k: data[k] for k in actions.TEAM_EDITABLE if data[k] != getattr(instance, k)}
+                changes = _changed(data, instance, actions.TEAM_EDITABLE)
                 team = actions.edit_team(instance, request.user, **changes) if changes else instance
                 messages.success(request, f"Team {team.name} saved." if changes else f"Team {team.name} unchanged.")
             return redirect("team-page", team.pk)
@@ -699,7 +704,8 @@ def team_edit(request: HttpRequest, pk: int | None = None) -> HttpResponse:
 @require_POST
 @operator_only
 def team_delete(request: HttpRequest, pk: int) -> HttpResponse:
-    """Delete a team nothing names any more; while something does, say what (409)."""
+    """Delete a team nothing names any more; while something does, say what on its page (the
+    API answers that with 409)."""
     team = get_object_or_404(Team, pk=pk)
     try:
         actions.delete_team(team, request.user)
