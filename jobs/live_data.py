@@ -493,7 +493,7 @@ def _rounded(value: float | None) -> float | None:
 def rhythm_summary(job: Job) -> dict[str, Any] | None:
     """What was measured about ``job``'s steps, for its page and the API; ``None`` before its
     first step record. Reads the job's ``rhythm`` row (select it with the job)."""
-    from jobs.rhythm import bubble_share
+    from jobs.rhythm import DIAGNOSIS_STEPS, bubble_share
     from jobs.snapshot import measured_rhythm, straggler_factor
 
     state = measured_rhythm(job)
@@ -520,7 +520,7 @@ def rhythm_summary(job: Job) -> dict[str, Any] | None:
         "shares": {name: round(value, 3) for name, value in state.shares.items()},
         "bubble_share": round(bubble, 3),
         "diagnosis": state.diagnosis(bubble, clock=_clock_words) or (
-            "after 10 steps" if state.records < 10 else
+            f"after {DIAGNOSIS_STEPS} steps" if state.records < DIAGNOSIS_STEPS else
             "not measured: its step records give no compute, data-wait and communication times"),
         "last_check": state.findings[-1] if state.findings else None,
         "stragglers": [{"rank": rank, "node": state.rank_nodes[rank] if rank < len(state.rank_nodes) else None,

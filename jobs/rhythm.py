@@ -34,6 +34,7 @@ SHORT_STEPS = 10              # the recent shares: an EWMA over about this many 
 LONG_STEPS = 200              # ... and the usual ones
 DROP_POINTS = 0.15            # a fall of the compute share this large (absolute) is a drop
 BOTTLENECK_SHARE = 0.25       # data wait or communication above this share is named
+DIAGNOSIS_STEPS = 10          # step records before the sentence on where the time goes
 HEALTH_WINDOW = 20            # losses before a change it is judged against
 HEALTH_AFTER = 5              # steps after a resize or resume that are checked
 SPIKE_SIGMAS = 4.0            # a loss this many deviations above the window before is a spike
@@ -434,7 +435,7 @@ class RhythmState:
     def diagnosis(self, bubble: float = 0.0, clock: Any = None) -> str | None:
         """Where each step's time goes, in one sentence, and why it changed when the GPUs' busy
         share fell (``clock`` turns an epoch time into words, e.g. ``14:05 UTC``)."""
-        if self.records < 10 or not self.shares:
+        if self.records < DIAGNOSIS_STEPS or not self.shares:
             return None
         d = self.drop
         if d is not None:

@@ -494,6 +494,10 @@ def status(ctx: Ctx, job: str) -> None:
     fields = [("job", f"{row['id']} {row['name']}"), ("owner", row.get("owner")), ("priority", row["priority"]),
               ("state", row["state"]), ("gpus", row.get("gpus"))]
     if row.get("visibility") == "full":
+        held = ", ".join(sorted({a["node"] for a in row.get("allocations", [])}))
+        # A finished job holds nothing: say where its last run was instead.
+        nodes = ("ran on", last_nodes(ctx.api, row["name"]) or "-") if not held and row.get("finished_at") else \
+            ("nodes", held or "-")
         fields += [
             ("layout", f"tp {row['tp']} x pp {row['pp']} x dp {row['dp']} (dp {row['dp_min']}..{row['dp_max']})"),
             ("batch", f"global {row['global_batch']}, micro {row['micro_batch']}, accumulation {row['accum_steps']}"),
@@ -507,10 +511,8 @@ def status(ctx: Ctx, job: str) -> None:
             ("preemptions", row.get("preemptions")),
             ("submitted", when(row.get("submitted_at"))), ("started", when(row.get("started_at"))),
             ("finished", when(row.get("finished_at"))),
-            ("nodes", ", ".join(sorted({a["node"] for a in row.get("allocations", [])})) or "-"),
+            nodes,
         ]
-        if fields[-1][1] == "-" and row.get("finished_at"):
-            fields[-1] = ("ran on", last_nodes(ctx.api, row["name"]) or "-")
         if row.get("failure"):
             fields.append(("failure", failure_words(row["failure"])))
     fields.append(("page", ctx.api.page_url(row)))

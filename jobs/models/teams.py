@@ -11,6 +11,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import F, Q
 
+from jobs.planner.wording import agree
+
 
 class TeamInUse(Exception):
     """A team that jobs, reservations or other teams still name cannot be deleted (the API's 409)."""
@@ -19,7 +21,7 @@ class TeamInUse(Exception):
         self.team = team
         self.holders = holders
         one = {"jobs": "job", "reservations": "reservation", "teams inside it": "team inside it"}
-        words = ", ".join(f"{n} {one.get(what, what) if n == 1 else what}" for what, n in holders.items() if n)
+        words = ", ".join(f"{n} {agree(n, one.get(what, what), what)}" for what, n in holders.items() if n)
         super().__init__(f"team {team.name} still has {words}: move or finish them first")
 
 
