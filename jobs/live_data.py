@@ -140,12 +140,13 @@ def _epochs_to_ms(values: Iterable[float]) -> list[float]:
     return [v * 1000.0 for v in values]
 
 
-def _bucket_times_ms(starts: Iterable[float], bucket_s: float, until: datetime) -> list[float]:
-    """Where a chart draws each bucket's mean: the bucket's middle, never past ``until`` (the
-    live edge). At its start a 3-minute bucket of the console's day drew the used GPUs of a
-    cluster whose jobs began a minute and a half into it before any job held a GPU."""
+def _drawn_times_ms(trace: dict[str, list], until: datetime) -> list[float]:
+    """Where a chart draws each bucket's mean: when its readings were taken, on average
+    (``t_mean``), never past ``until`` (the live edge). At a bucket's start, or even its middle, a
+    3-minute bucket of the console's day drew the used GPUs of a cluster whose jobs began two
+    minutes into it before any job held a GPU."""
     end_s = until.timestamp()
-    return _epochs_to_ms(min(t + bucket_s / 2.0, end_s) for t in starts)
+    return _epochs_to_ms(min(t, end_s) for t in trace["t_mean"])
 
 
 def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
@@ -163,7 +164,7 @@ def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
         trace = steps["traces"].get("job")
         series["level"], series["bucket_s"] = steps["level"], steps["bucket_s"]
         if trace:
-            t = _bucket_times_ms(trace["t"], steps["bucket_s"], until)
+            t = _drawn_times_ms(trace, until)
             series["step"] = {"t": t, "step_s": trace["step_s"], "step_s_max": trace["step_s_max"],
                               "step": trace["step"]}
             # Mean tokens per rank-step, by modality (telemetry.queries' tokens_<modality>); none
@@ -174,7 +175,7 @@ def job_series(job: Job, since: datetime, until: datetime) -> dict[str, Any]:
         gpus = queries.gpu_utilisation_series(start=since, end=until, max_points=MAX_POINTS_PER_TRACE,
                                               job_id=job.pk, metrics=("util_pct",))
         series["gpus"] = {
-            name: {"t": _bucket_times_ms(trace["t"], gpus["bucket_s"], until), "util": trace["util_pct"], "node": trace["node"],
+            name: {"t": _drawn_times_ms(trace, until), "util": trace["util_pct"], "node": trace["node"],
                    "gpu": trace["gpu"]}
             for name, trace in gpus["traces"].items()
         }
@@ -315,7 +316,7 @@ def utilisation_series(since: datetime, now: datetime | None = None, *, gpus_tot
             cluster = queries.cluster_utilisation(start=since, end=now, max_points=MAX_POINTS_PER_TRACE)
             trace = cluster["traces"].get("cluster")
             if trace:
-                series["used_t"] = _bucket_times_ms(trace["t"], cluster["bucket_s"], now)
+                series["used_t"] = _drawn_times_ms(trace, now)
                 series["used"] = [_used_gpus(u, gpus_total) for u in trace["util_pct"]]
         except Exception:
             logger.exception("telemetry cluster utilisation query failed")

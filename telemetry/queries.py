@@ -24,8 +24,11 @@ part-buckets at a span's ends (a minute or an hour shared by two holders) are re
 next finer level too, so no rollup bucket mixes them.
 
 Results are plain dicts ready for JSON and Plotly: ``{"level", "bucket_s", "start", "end",
-"traces": {key: {"t": [...epoch seconds, bucket start], <metric>: [...], "samples": [...]}}}``.
-A bucket with no data is simply absent from a trace (gaps stay gaps).
+"traces": {key: {"t": [...epoch seconds, bucket start], "t_mean": [...], <metric>: [...],
+"samples": [...]}}}``. ``t_mean`` is when a bucket's readings were taken, on average (a rollup
+row counts as read at its middle), where a chart draws the bucket's point: a bucket that readings
+began or stopped part-way through is drawn where they were, not at its start or middle. A bucket
+with no data is simply absent from a trace (gaps stay gaps).
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ class _Trace:
     bins: np.ndarray
     samples: np.ndarray
     values: dict[str, np.ndarray] = field(default_factory=dict)
+    #: Per bucket, the mean epoch second of its readings (``t_mean``).
+    times: np.ndarray | None = None
 
 
 def _epoch(at: datetime) -> float:
@@ -169,6 +174,22 @@ def _postgres() -> bool:
 
 def _f8(expr: str) -> str:
     return f"CAST({expr} AS double precision)" if _postgres() else f"CAST({expr} AS REAL)"
+
+
+def _epoch_sql(column: str) -> str:
+    """``column`` (a timestamp) as epoch seconds, with its fraction."""
+    if _postgres():
+        return f"date_part('epoch', {column})"
+    return f"((julianday({column}) - 2440587.5) * 86400.0)"
+
+
+def _time_sql(level: str, column: str, count: str | None) -> str:
+    """The mean epoch second of a bucket's readings: of raw rows their own times, of rollup rows
+    their middles weighted by the readings each stands for."""
+    at = _epoch_sql(column)
+    if level == "raw":
+        return f"avg({at})"
+    return f"sum(({at} + {LEVEL_RESOLUTION_S[level] / 2.0}) * {count}) / NULLIF(sum({count}), 0)"
 
 
 def _bin_expr(column: str) -> str:
@@ -240,7 +261,9 @@ def _binned(
     else:
         count = "count(*)" if source.count_column is None else f"sum({source.count_column})"
         metric_sql = _metric_sql(level, metrics, names, source.count_column or "1")
-    selects = [*key_columns, f"{_bin_expr(source.time_column)} AS b", f"{count} AS n",
+    # A bucket's mean reading time (``t_mean``): read directly, a rollup row's is its middle.
+    timed = [] if direct else [f"{_time_sql(level, source.time_column, source.count_column)} AS tm"]
+    selects = [*key_columns, f"{_bin_expr(source.time_column)} AS b", f"{count} AS n", *timed,
                *(f"{expr} AS m{i}" for i, expr in enumerate(metric_sql))]
     params: list[Any] = [plan.origin_s, plan.bucket_s]
     from_sql = source.table
@@ -269,7 +292,7 @@ def _binned(
         if _postgres():
             # One row of arrays per trace: far fewer rows for the driver and Python to touch.
             arrays = ", ".join(
-                f"array_agg({column} ORDER BY b)" for column in ["b", "n", *(f"m{i}" for i in range(len(names)))]
+                f"array_agg({column} ORDER BY b)" for column in ["b", "n", *(["tm"] if timed else []), *(f"m{i}" for i in range(len(names)))]
             )
             key_sql = ", ".join(key_columns)
             sql = f"SELECT {key_sql}{', ' if keys else ''}{arrays} FROM ({inner}) AS binned"
@@ -283,11 +306,15 @@ def _binned(
             for row in cursor.fetchall():
                 grouped.setdefault(tuple(row[:keys]), []).append(row[keys:])
             rows = [(key, list(zip(*found, strict=True))) for key, found in grouped.items()]
+    first = 2 + len(timed)
     for key, columns in rows:
+        bins = np.asarray(columns[0], dtype=np.int64)
         result[key] = _Trace(
-            np.asarray(columns[0], dtype=np.int64),
+            bins,
             np.asarray(columns[1], dtype=np.float64),
-            {name: np.asarray(columns[2 + i], dtype=np.float64) for i, name in enumerate(names)},
+            {name: np.asarray(columns[first + i], dtype=np.float64) for i, name in enumerate(names)},
+            np.asarray(columns[2], dtype=np.float64) if timed
+            else plan.origin_s + bins * plan.bucket_s + plan.bucket_s / 2.0,
         )
     return result
 
@@ -313,7 +340,10 @@ def _merge(head: _Trace, tail: _Trace, metrics: dict[str, tuple[str, str, str]])
             with np.errstate(invalid="ignore", divide="ignore"):
                 out = np.where(norm > 0, total / np.where(norm > 0, norm, 1), np.nan)
         values[name] = out
-    return _Trace(unique, samples, values)
+    times_all = np.concatenate([head.times, tail.times])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        times = np.bincount(inverse, weights=times_all * samples_all, minlength=len(unique)) / samples
+    return _Trace(unique, samples, values, times)
 
 
 def _series(
@@ -403,8 +433,11 @@ def _split_at_level(windows: Sequence[Window], resolution_s: int,
 
 
 def _trace_dict(trace: _Trace, plan: Plan, names: Iterable[str]) -> dict[str, list]:
+    starts = (plan.origin_s + trace.bins * plan.bucket_s).astype(np.float64)
     out: dict[str, list] = {
-        "t": (plan.origin_s + trace.bins * plan.bucket_s).astype(np.float64).tolist(),
+        "t": starts.tolist(),
+        # Inside its bucket: a rollup row's middle can pass the end of a bucket it starts in.
+        "t_mean": np.clip(trace.times, starts, starts + plan.bucket_s).tolist(),
         "samples": trace.samples.astype(np.int64).tolist(),
     }
     for name in names:

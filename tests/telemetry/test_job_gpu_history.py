@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -130,9 +131,11 @@ def test_live_frames_reach_only_the_job_that_holds_the_gpu_now(node, make_job, r
     assert received_within(layer, channels[first.pk], 0.3) is None
 
 
-def test_the_console_draws_a_buckets_used_gpus_inside_it_never_before_its_readings(node, make_job):
-    """The console's day is 3-minute buckets: a bucket's mean is drawn at its middle (never past
-    now), so GPUs read from 90 s into a bucket do not appear at its start, before any job held them."""
+def test_the_console_draws_a_buckets_used_gpus_where_its_readings_were_never_before_them(node, make_job):
+    """The console's day is 3-minute buckets: a bucket's mean is drawn when its readings were
+    taken on average (a minute rollup counts as read at its middle), never past now, so GPUs read
+    from 90 s into a bucket appear neither at its start nor at its middle, before any job held
+    them."""
     from jobs.live_data import MAX_POINTS_PER_TRACE, utilisation_series
 
     now = datetime.now(UTC)
@@ -148,5 +151,27 @@ def test_the_console_draws_a_buckets_used_gpus_inside_it_never_before_its_readin
     series = utilisation_series(since, now)
     times_s = [t / 1000.0 for t in series["used_t"]]
     assert times_s, series
-    assert times_s[0] == bucket_start.timestamp() + 90  # the middle of the readings' bucket
+    # Readings 90-179 s into the bucket: 30 of them in the minute from 60 s (its middle 90 s), 60 in
+    # the one from 120 s (middle 150 s): drawn at 130 s, where the middle of the bucket is 90 s.
+    assert times_s[0] == pytest.approx(bucket_start.timestamp() + 130, abs=1e-3)
     assert all(first_reading.timestamp() <= t <= now.timestamp() for t in times_s), times_s
+
+
+def test_a_raw_bucket_is_drawn_at_its_readings_mean_time_and_a_merged_one_at_both_parts(node):
+    """Raw readings give each bucket the mean of their own times; a bucket read partly from a
+    rollup and partly from the raw tail after its watermark weighs each part by its readings."""
+    now = datetime.now(UTC).replace(microsecond=0)
+    start = now - timedelta(minutes=10)
+    plan = queries.choose_plan(start, now, 20, traces=node.gpu_count)
+    assert (plan.level, plan.bucket_s) == ("raw", 30)
+    bucket_start = plan.origin_s + ((start.timestamp() - plan.origin_s) // 30 + 2) * 30
+    # 20 readings from the bucket's 5th second: their mean time is 14.5 s into it (the middle: 15 s)
+    _readings(node, 0, datetime.fromtimestamp(bucket_start + 5, UTC), 20, 50.0, seq=0)
+    trace = queries.cluster_utilisation(start=start, end=now, max_points=20)["traces"]["cluster"]
+    assert trace["t"] == [bucket_start] and trace["samples"] == [20]
+    assert trace["t_mean"][0] == pytest.approx(bucket_start + 14.5, abs=1e-3)
+
+    head = queries._Trace(np.array([0, 1]), np.array([30.0, 60.0]), {}, np.array([10.0, 70.0]))
+    tail = queries._Trace(np.array([1]), np.array([20.0]), {}, np.array([110.0]))
+    merged = queries._merge(head, tail, {})
+    assert merged.times.tolist() == pytest.approx([10.0, (70.0 * 60 + 110.0 * 20) / 80])
