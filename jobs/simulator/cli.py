@@ -2,7 +2,8 @@
 
 ``simulate SCENARIO.json [--policy omni|static|kill_preempt|slurm|kueue|elastic|all] [--json]
 [--events] [--html FILE] [--progress]``. Without ``--json`` it prints a small side-by-side table
-of the policies, then each one's completion time and queueing delay per class. A bad scenario file exits with status 2 and one line on stderr naming the field
+of the policies, then each one's completion time and queueing delay per class, then where omni
+stands against the peers figure by figure (``jobs.simulator.verdict``). A bad scenario file exits with status 2 and one line on stderr naming the field
 (``jobs[3].tp: 16 exceeds gpus_per_node 8``), never a traceback. Progress goes to stderr once
 per simulated day, only when stderr is a terminal or with ``--progress``.
 """
@@ -16,6 +17,7 @@ from typing import Any, TextIO
 
 from jobs.simulator.engine import POLICIES, simulate, stderr_progress
 from jobs.simulator.scenario import ScenarioError, load_scenario
+from jobs.simulator.verdict import format_verdict, verdict
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -75,7 +77,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         for v in r["invariant_violations"][:5]:
             lines.append(f"  [{r['policy']}] {v}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + format_verdict(verdict(results))
 
 
 def run(options: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:

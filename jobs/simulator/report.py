@@ -6,7 +6,8 @@ a page that opens offline (plotly.js is embedded inline, no CDN) with:
 
 1. the metrics side by side (every figure the simulator reports: utilisation, goodput, the
    fluid bound and the share of it, shortfall, preemptions, lost work, and per class the median
-   and p95 completion time and queueing delay);
+   and p95 completion time and queueing delay), then, with omni and a peer among them, omni
+   against the peers figure by figure (``jobs.simulator.verdict``);
 2. completion-time CDFs per class, every policy overlaid;
 3. utilisation over time (useful / healthy GPUs), every policy overlaid;
 4. GPUs over time by priority class, allocated vs useful, one panel per policy;
@@ -26,6 +27,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from jobs.simulator.verdict import verdict, verdict_value
 
 PRIORITY_CLASSES = ("critical", "regular", "best_effort")
 CLASS_COLOURS = {"critical": "#d62728", "regular": "#1f77b4", "best_effort": "#2ca02c"}
@@ -79,6 +82,9 @@ def write_html(results: list[dict], path: str | Path) -> None:
         raise ValueError("write_html needs at least one policy result")
     scenario = str(results[0].get("scenario", "scenario"))
     sections: list[tuple[str, str]] = [("Metrics", metrics_table_html(results))]
+    found = verdict(results)
+    if found is not None:
+        sections.append(("omni against the peers", verdict_table_html(found)))
     figures = [
         ("Job completion time CDF per class", completion_cdf_figure(results)),
         ("Utilisation over time: useful / healthy GPUs", utilization_figure(results)),
@@ -162,6 +168,29 @@ def metrics_table_html(results: Sequence[Mapping[str, Any]]) -> str:
     if violations:
         table += f"<ul>{''.join(violations)}</ul>"
     return table
+
+
+def verdict_table_html(found: Mapping[str, Any]) -> str:
+    """``verdict``'s figures, one row each: omni's value, the best peer's, and who leads."""
+    rows = []
+    for row in found["figures"]:
+        key = row["figure"]
+        lead = "omni (or level)" if row["ahead"] else row["best_peer"]
+        cls = "" if row["ahead"] else " class=\"bad\""
+        done = ""
+        if "best_peer_completed" in row:
+            done = f" ({row['best_peer_completed']} done; omni {row['omni_completed']})"
+        rows.append(f"<tr{cls}><td>{html.escape(row['words'])}</td><td>{html.escape(verdict_value(key, row['omni']))}</td>"
+                    f"<td>{html.escape(row['best_peer'])}: {html.escape(verdict_value(key, row['best_peer_value']))}"
+                    f"{html.escape(done)}</td><td>{html.escape(lead)}</td></tr>")
+    for bound in found["bounds"]:
+        cls = "" if bound["met"] else " class=\"bad\""
+        rows.append(f"<tr{cls}><td>{html.escape(bound['words'])}</td><td>{bound['omni']:,.6g}</td>"
+                    f"<td>limit {bound['limit']:,.6g}</td><td>{'met' if bound['met'] else 'not met'}</td></tr>")
+    summary = (f"<p>Ahead or level on {found['ahead']} of {found['of']} figures against "
+               f"{html.escape(', '.join(found['peers']))}.</p>")
+    return (f"{summary}<table id=\"verdict\"><tr><th>figure</th><th>omni</th><th>best peer</th><th>leads</th></tr>"
+            f"{''.join(rows)}</table>")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""Where ``omni`` stands against the peers, figure by figure, on one scenario's replays.
+
+The claim the simulator is there to check (docs/simulator.md, "The peers side by side") is that
+the planner is ahead of every peer (``slurm``, ``kueue``, ``elastic``) on:
+
+* utilisation and goodput (higher is better);
+* the median and p95 completion time and queueing delay of each priority class (lower);
+* preemptions per completed job (lower);
+
+and, as bounds rather than races, no critical reservation shortfall and lost GPU-seconds at most
+``LOST_SHARE_MAX`` of ``kill_preempt``'s. ``verdict`` works that out from ``simulate``'s result
+dicts, so a reader of ``simulate --policy all`` sees at once which figures a peer leads, by how
+much, and which peer; it decides nothing about the planner.
+
+A completion time is over the jobs of the class that completed, as in the tables; where the best
+peer completed fewer of them than omni its figure says so (``completed``), since finishing fewer,
+shorter jobs lowers a median.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+PEERS = ("slurm", "kueue", "elastic")
+BASELINE = "kill_preempt"
+#: omni's lost GPU-seconds may be at most this share of ``kill_preempt``'s.
+LOST_SHARE_MAX = 0.10
+CLASSES = ("critical", "regular", "best_effort")
+CLASS_WORDS = {"critical": "critical", "regular": "regular", "best_effort": "best-effort"}
+CLASS_FIGURES = (
+    ("jct_median_s", "completion time median"),
+    ("jct_p95_s", "completion time p95"),
+    ("queue_median_s", "queueing delay median"),
+    ("queue_p95_s", "queueing delay p95"),
+)
+
+
+def _figures(result: Mapping[str, Any]) -> list[tuple[str, str, bool, float | None, int | None]]:
+    """(key, words, higher is better, value, completed jobs behind it) for each raced figure."""
+    out: list[tuple[str, str, bool, float | None, int | None]] = [
+        ("utilization", "utilisation", True, result.get("utilization"), None),
+        ("goodput", "goodput", True, result.get("goodput"), None),
+    ]
+    classes = result.get("classes") or {}
+    for cls in CLASSES:
+        figures = classes.get(cls)
+        if not figures or not figures.get("jobs"):
+            continue
+        for key, words in CLASS_FIGURES:
+            done = figures.get("completed") if key.startswith("jct") else None
+            out.append((f"{cls}.{key}", f"{CLASS_WORDS[cls]} {words}", False, figures.get(key), done))
+    out.append(("preemptions_per_completed_job", "preemptions per completed job", False,
+                result.get("preemptions_per_completed_job"), None))
+    return out
+
+
+def _better(a: float, b: float, higher: bool) -> bool:
+    return a > b if higher else a < b
+
+
+def verdict(results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """omni against the peers among ``results`` (one scenario, one result per policy): each raced
+    figure with omni's value, the best peer's and whether omni is ahead or level, then the bounds.
+    None when the results hold no omni or no peer."""
+    by_policy = {r.get("policy"): r for r in results}
+    omni = by_policy.get("omni")
+    peers = [p for p in PEERS if p in by_policy]
+    if omni is None or not peers:
+        return None
+    rows: list[dict[str, Any]] = []
+    peer_figures = {p: {f[0]: f for f in _figures(by_policy[p])} for p in peers}
+    for key, words, higher, value, done in _figures(omni):
+        best: tuple[str, float, int | None] | None = None
+        for peer in peers:
+            theirs = peer_figures[peer].get(key)
+            if theirs is None or theirs[3] is None:
+                continue
+            if best is None or _better(theirs[3], best[1], higher):
+                best = (peer, theirs[3], theirs[4])
+        if best is None:
+            continue  # no peer has this figure (no job of the class completed under any)
+        row = {"figure": key, "words": words, "higher_is_better": higher, "omni": value,
+               "best_peer": best[0], "best_peer_value": best[1],
+               "ahead": value is not None and not _better(best[1], value, higher)}
+        if done is not None and best[2] is not None:
+            row["omni_completed"], row["best_peer_completed"] = done, best[2]
+        rows.append(row)
+    bounds: list[dict[str, Any]] = [
+        {"figure": "reservation_shortfall", "words": "critical reservation shortfall",
+         "omni": omni.get("reservation_shortfall"), "limit": 0.0,
+         "met": (omni.get("reservation_shortfall") or 0.0) <= 0.0},
+    ]
+    baseline = by_policy.get(BASELINE)
+    if baseline is not None:
+        limit = LOST_SHARE_MAX * (baseline.get("lost_gpu_s") or 0.0)
+        lost = omni.get("lost_gpu_s") or 0.0
+        bounds.append({"figure": "lost_gpu_s", "words": f"lost GPU-s (at most {LOST_SHARE_MAX:.0%} of {BASELINE}'s)",
+                       "omni": lost, "limit": limit, "met": lost <= limit})
+    return {"peers": peers, "figures": rows, "ahead": sum(r["ahead"] for r in rows), "of": len(rows),
+            "behind": [r for r in rows if not r["ahead"]], "bounds": bounds}
+
+
+def verdict_value(key: str, value: float | None) -> str:
+    """A figure's value as the verdict shows it."""
+    if value is None:
+        return "none completed"
+    if key in ("utilization", "goodput"):
+        return f"{value * 100:.2f}%"
+    if key == "preemptions_per_completed_job":
+        return f"{value:.2f}"
+    return f"{value:,.0f} s"
+
+
+def format_verdict(found: Mapping[str, Any] | None) -> str:
+    """The verdict as text lines for ``simulate``'s table (empty without omni and a peer)."""
+    if found is None:
+        return ""
+    peers = ", ".join(found["peers"])
+    lines = [f"omni against the peers ({peers}): ahead or level on {found['ahead']} of {found['of']} figures"
+             + ("; behind on:" if found["behind"] else "")]
+    for row in found["behind"]:
+        done = ""
+        if "best_peer_completed" in row and row["best_peer_completed"] < row["omni_completed"]:
+            done = f", over {row['best_peer_completed']} completed jobs against omni's {row['omni_completed']}"
+        lines.append(f"  {row['words']}: {verdict_value(row['figure'], row['omni'])} "
+                     f"({row['best_peer']} {verdict_value(row['figure'], row['best_peer_value'])}{done})")
+    for bound in found["bounds"]:
+        if bound["figure"] == "lost_gpu_s":
+            shown = f"{bound['omni']:,.0f} against a limit of {bound['limit']:,.0f}"
+        else:
+            shown = f"{bound['omni'] * 100:.3f}%"
+        lines.append(f"  {bound['words']}: {shown}: {'met' if bound['met'] else 'NOT MET'}")
+    return "\n".join(lines) + "\n"
