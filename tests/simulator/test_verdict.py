@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from jobs.simulator.cli import main
-from jobs.simulator.report import write_html
 from jobs.simulator.verdict import format_verdict, verdict
 
 SCENARIO = str(Path(__file__).resolve().parents[2] / "jobs" / "scenarios" / "teams.json")
