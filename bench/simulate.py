@@ -7,7 +7,10 @@ sizes and durations, two reservations, a few node faults), under every policy by
 (``--policy NAME`` for one). Prints one JSON object: ``philly_week_all_s``, the CPU seconds of
 all the policies' replays together (one core's work, steadier on a shared machine than wall
 time; target: at most 120), the per-policy wall and CPU times and headline metrics beside it,
-and each policy's CPU time over ``static``'s (the baseline measured in the same run).
+and each policy's CPU time over ``static``'s (the baseline measured in the same run), and
+``omni_verdict``: on how many of the figures the issue races the peers on omni leads or ties,
+the ones it does not with the best peer's value, and whether its two bounds hold
+(``jobs.simulator.verdict``; worked out after the timed replays).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from jobs.simulator import parse_scenario, simulate
 from jobs.simulator.policies import POLICIES
 from jobs.simulator.scenario import ScenarioError, load_scenario
+from jobs.simulator.verdict import verdict
 
 PHILLY = Path(__file__).resolve().parents[1] / "jobs" / "scenarios" / "philly-week.json"
 WEEK_S = 7 * 86400
@@ -71,10 +75,13 @@ def synthetic_week(seed: int = 0, jobs: int = 5200) -> dict[str, Any]:
     }
 
 
-def replay(scenario: Any, policy: str) -> dict[str, Any]:
-    """One policy's replay: its wall and CPU seconds and headline figures."""
+def replay(scenario: Any, policy: str, keep: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One policy's replay: its wall and CPU seconds and headline figures (the whole result
+    appended to ``keep``, when given, for the verdict)."""
     t0, c0 = time.perf_counter(), time.process_time()
     result = simulate(scenario, policy)
+    if keep is not None:
+        keep.append(result)
     return {
         "wall_s": round(time.perf_counter() - t0, 3),
         "cpu_s": round(time.process_time() - c0, 3),
@@ -109,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         source = "synthetic"
     policies = POLICIES if args.policy == "all" else (args.policy,)
     runs = {}
+    results: list[dict[str, Any]] = []
     for policy in policies:
         if not args.json:
             print(f"replaying under {policy} ...", flush=True)
-        runs[policy] = replay(scenario, policy)
+        runs[policy] = replay(scenario, policy, results)
     out: dict[str, Any] = {
         "scenario": scenario.name,
         "source": source,
@@ -134,6 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                                     for p, r in runs.items()},
             "policies": runs,
         })
+        found = verdict(results)
+        if found is not None:
+            out["omni_verdict"] = {
+                "ahead_or_level": found["ahead"], "figures": found["of"],
+                "behind": {r["figure"]: {"omni": r["omni"], r["best_peer"]: r["best_peer_value"]}
+                           for r in found["behind"]},
+                "bounds_met": all(b["met"] for b in found["bounds"]),
+            }
     if args.json:
         print(json.dumps(out))
     else:

@@ -26,6 +26,11 @@ def test_all_policies_are_timed_and_summed(capsys: pytest.CaptureFixture[str]) -
     assert out["cpu_ratio_to_static"]["static"] == 1.0
     assert out["policies"]["omni"]["invariant_violations"] == 0
     assert 0 < out["policies"]["omni"]["utilization"] <= 1
+    # teams.json: omni leads utilisation and keeps both bounds; elastic preempts nobody there.
+    found = out["omni_verdict"]
+    assert found["bounds_met"] is True and 0 < found["ahead_or_level"] < found["figures"]
+    assert "utilization" not in found["behind"]
+    assert found["behind"]["preemptions_per_completed_job"] == {"omni": pytest.approx(1 / 3, abs=1e-3), "elastic": 0.0}
 
 
 def test_one_policy_prints_its_own_figures(capsys: pytest.CaptureFixture[str]) -> None:
