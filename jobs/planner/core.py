@@ -136,8 +136,12 @@ class PlanningPass:
             self.holders[job.priority] = self.holders.get(job.priority, 0) + 1
         # Teams: quotas, borrowing limits, fair share (rule 9), kept current by ``_emit``.
         pool_team = quota.pool_teams(snapshot.reservations, snapshot.jobs) if snapshot.teams else {}
+        # The charge reads the zone map, not the pass: a closure over ``self`` would put every
+        # pass in a reference cycle, freed only by the cyclic collector (a replay's passes piled
+        # up between its runs, with all they hold).
+        zone_of_node = self.view.zone_of_node
         self.teams = TeamBook(snapshot.teams, self.jobs.values(),
-                              lambda job, gpus: quota.charged_gpus(job.team, gpus, self.view.zone_of_node, pool_team))
+                              lambda job, gpus: quota.charged_gpus(job.team, gpus, zone_of_node, pool_team))
         self._node_gpus: tuple[int, ...] | None = None
         self._fit_cache: dict[tuple[int, int, int], dict[str, str]] = {}
         # Per-pass caches kept by the rule modules (victims, admission, harvest, _zones_for).

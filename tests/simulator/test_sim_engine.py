@@ -165,3 +165,33 @@ def test_an_unannounced_owner_gets_its_pool_within_the_grace_even_in_a_batched_r
         assert not reclaim["graceful"] and reclaim["reason"]["inputs"]["unsaved"]
         assert crit["start_s"] == pytest.approx(603.0)
         assert 0.0 < result["lost_gpu_s"] <= 50 * 1.0 * 16
+
+
+@pytest.mark.parametrize("policy", ("omni", "kill_preempt", "static", "slurm", "kueue", "elastic"))
+def test_no_planning_pass_is_left_in_a_reference_cycle_and_the_collector_comes_back(policy: str) -> None:
+    # A replay runs the cyclic collector seldom (engine.fewer_collections), which is sound only
+    # while its passes make no cycles: a pass in one (its team book's charge once closed over the
+    # pass: 2,930 objects in cycles after this replay, 713,753 after acme-llm's) is freed by the
+    # collector alone, with its snapshot, cluster view and all they hold. With teams, loans and a
+    # team reservation each policy's passes run their rules; what the collector finds after the
+    # replay is kept and searched for a pass.
+    import gc
+
+    from jobs.planner.core import PlanningPass
+    from jobs.planner.snapshot import Snapshot
+    from jobs.planner.topology import ClusterView
+
+    scenario = load_scenario(SCENARIO_DIR / "teams.json")
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        result = simulate(scenario, policy)
+        gc.collect()
+        kinds = {type(o).__name__ for o in gc.garbage if isinstance(o, PlanningPass | Snapshot | ClusterView)}
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert result["planner_calls"] > 20
+    assert not kinds, f"{sorted(kinds)} left in reference cycles after a replay under {policy}"
+    assert gc.get_threshold() == thresholds
