@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -121,9 +121,9 @@ class Window:
 class _Trace:
     bins: np.ndarray
     samples: np.ndarray
-    values: dict[str, np.ndarray] = field(default_factory=dict)
+    values: dict[str, np.ndarray]
     #: Per bucket, the mean epoch second of its readings (``t_mean``).
-    times: np.ndarray | None = None
+    times: np.ndarray
 
 
 def _epoch(at: datetime) -> float:
@@ -194,7 +194,7 @@ def _time_sql(level: str, column: str, count: str | None) -> str:
 
 def _bin_expr(column: str) -> str:
     if _postgres():
-        return f"floor((date_part('epoch', {column}) - %s) / %s)::bigint"
+        return f"floor(({_epoch_sql(column)} - %s) / %s)::bigint"
     return f"((CAST(strftime('%%s', {column}) AS INTEGER) - %s) / %s)"
 
 
@@ -261,10 +261,12 @@ def _binned(
     else:
         count = "count(*)" if source.count_column is None else f"sum({source.count_column})"
         metric_sql = _metric_sql(level, metrics, names, source.count_column or "1")
-    # A bucket's mean reading time (``t_mean``): read directly, a rollup row's is its middle.
+    # A bucket's mean reading time (``t_mean``), but for a rollup read one row per bucket: that is
+    # the row's middle, worked out below without SQL.
     timed = [] if direct else [f"{_time_sql(level, source.time_column, source.count_column)} AS tm"]
     selects = [*key_columns, f"{_bin_expr(source.time_column)} AS b", f"{count} AS n", *timed,
                *(f"{expr} AS m{i}" for i, expr in enumerate(metric_sql))]
+    aliases = ["b", "n", *(["tm"] if timed else []), *(f"m{i}" for i in range(len(names)))]
     params: list[Any] = [plan.origin_s, plan.bucket_s]
     from_sql = source.table
     if windows[0].key:
@@ -291,9 +293,7 @@ def _binned(
     with connection.cursor() as cursor:
         if _postgres():
             # One row of arrays per trace: far fewer rows for the driver and Python to touch.
-            arrays = ", ".join(
-                f"array_agg({column} ORDER BY b)" for column in ["b", "n", *(["tm"] if timed else []), *(f"m{i}" for i in range(len(names)))]
-            )
+            arrays = ", ".join(f"array_agg({column} ORDER BY b)" for column in aliases)
             key_sql = ", ".join(key_columns)
             sql = f"SELECT {key_sql}{', ' if keys else ''}{arrays} FROM ({inner}) AS binned"
             if keys:
