@@ -75,13 +75,11 @@ def synthetic_week(seed: int = 0, jobs: int = 5200) -> dict[str, Any]:
     }
 
 
-def replay(scenario: Any, policy: str, keep: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One policy's replay: its wall and CPU seconds and headline figures (the whole result
-    appended to ``keep``, when given, for the verdict)."""
+def replay(scenario: Any, policy: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One policy's replay: its wall and CPU seconds and headline figures, and its whole result
+    (for the verdict)."""
     t0, c0 = time.perf_counter(), time.process_time()
     result = simulate(scenario, policy)
-    if keep is not None:
-        keep.append(result)
     return {
         "wall_s": round(time.perf_counter() - t0, 3),
         "cpu_s": round(time.process_time() - c0, 3),
@@ -90,7 +88,7 @@ def replay(scenario: Any, policy: str, keep: list[dict[str, Any]] | None = None)
         "reservation_shortfall": result["reservation_shortfall"],
         "lost_gpu_s": result["lost_gpu_s"],
         "invariant_violations": len(result["invariant_violations"]),
-    }
+    }, result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     for policy in policies:
         if not args.json:
             print(f"replaying under {policy} ...", flush=True)
-        runs[policy] = replay(scenario, policy, results)
+        runs[policy], result = replay(scenario, policy)
+        results.append(result)
     out: dict[str, Any] = {
         "scenario": scenario.name,
         "source": source,

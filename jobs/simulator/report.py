@@ -185,8 +185,10 @@ def verdict_table_html(found: Mapping[str, Any]) -> str:
                     f"{html.escape(done)}</td><td>{html.escape(lead)}</td></tr>")
     for bound in found["bounds"]:
         cls = "" if bound["met"] else " class=\"bad\""
-        rows.append(f"<tr{cls}><td>{html.escape(bound['words'])}</td><td>{bound['omni']:,.6g}</td>"
-                    f"<td>limit {bound['limit']:,.6g}</td><td>{'met' if bound['met'] else 'not met'}</td></tr>")
+        rows.append(f"<tr{cls}><td>{html.escape(bound['words'])}</td>"
+                    f"<td>{html.escape(verdict_value(bound['figure'], bound['omni']))}</td>"
+                    f"<td>limit {html.escape(verdict_value(bound['figure'], bound['limit']))}</td>"
+                    f"<td>{'met' if bound['met'] else 'not met'}</td></tr>")
     summary = (f"<p>Ahead or level on {found['ahead']} of {found['of']} figures against "
                f"{html.escape(', '.join(found['peers']))}.</p>")
     return (f"{summary}<table id=\"verdict\"><tr><th>figure</th><th>omni</th><th>best peer</th><th>leads</th></tr>"

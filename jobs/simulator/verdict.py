@@ -10,9 +10,9 @@ the planner is ahead of every peer (``slurm``, ``kueue``, ``elastic``) on:
 and, as bounds rather than races, no critical reservation shortfall and lost GPU-seconds at most
 ``LOST_SHARE_MAX`` of ``kill_preempt``'s. Both bounds leave node failures aside (the shortfall while
 an owner recovers from one, ``reservation_shortfall_faults_aside``, and the steps one throws away,
-``lost_gpu_s_by_cause["fault"]``): a failure costs every policy the same. ``verdict`` works that out from ``simulate``'s result
-dicts, so a reader of ``simulate --policy all`` sees at once which figures a peer leads, by how
-much, and which peer; it decides nothing about the planner.
+``lost_gpu_s_by_cause["fault"]``): a failure costs every policy the same. ``verdict`` works that
+out from ``simulate``'s result dicts, so a reader of ``simulate --policy all`` sees at once which
+figures a peer leads, by how much, and which peer; it decides nothing about the planner.
 
 A completion time is over the jobs of the class that completed, as in the tables; where the best
 peer completed fewer of them than omni its figure says so (``completed``), since finishing fewer,
@@ -22,14 +22,14 @@ shorter jobs lowers a median.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+from jobs.planner.snapshot import PRIORITIES
 
 PEERS = ("slurm", "kueue", "elastic")
 BASELINE = "kill_preempt"
 #: omni's lost GPU-seconds may be at most this share of ``kill_preempt``'s.
 LOST_SHARE_MAX = 0.10
-CLASSES = ("critical", "regular", "best_effort")
-CLASS_WORDS = {"critical": "critical", "regular": "regular", "best_effort": "best-effort"}
 CLASS_FIGURES = (
     ("jct_median_s", "completion time median"),
     ("jct_p95_s", "completion time p95"),
@@ -38,22 +38,30 @@ CLASS_FIGURES = (
 )
 
 
-def _figures(result: Mapping[str, Any]) -> list[tuple[str, str, bool, float | None, int | None]]:
-    """(key, words, higher is better, value, completed jobs behind it) for each raced figure."""
-    out: list[tuple[str, str, bool, float | None, int | None]] = [
-        ("utilization", "utilisation", True, result.get("utilization"), None),
-        ("goodput", "goodput", True, result.get("goodput"), None),
-    ]
+class Figure(NamedTuple):
+    """One raced figure of one policy's result."""
+
+    key: str  # e.g. ``utilization``, ``regular.jct_p95_s``
+    words: str
+    higher_is_better: bool
+    value: float | None  # None: no job of the class completed
+    completed: int | None = None  # for a completion time: the jobs it is over
+
+
+def _figures(result: Mapping[str, Any]) -> list[Figure]:
+    """Each raced figure of ``result``, a class's only where the class has jobs."""
+    out = [Figure("utilization", "utilisation", True, result.get("utilization")),
+           Figure("goodput", "goodput", True, result.get("goodput"))]
     classes = result.get("classes") or {}
-    for cls in CLASSES:
+    for cls in PRIORITIES:
         figures = classes.get(cls)
         if not figures or not figures.get("jobs"):
             continue
         for key, words in CLASS_FIGURES:
             done = figures.get("completed") if key.startswith("jct") else None
-            out.append((f"{cls}.{key}", f"{CLASS_WORDS[cls]} {words}", False, figures.get(key), done))
-    out.append(("preemptions_per_completed_job", "preemptions per completed job", False,
-                result.get("preemptions_per_completed_job"), None))
+            out.append(Figure(f"{cls}.{key}", f"{cls.replace('_', '-')} {words}", False, figures.get(key), done))
+    out.append(Figure("preemptions_per_completed_job", "preemptions per completed job", False,
+                      result.get("preemptions_per_completed_job")))
     return out
 
 
@@ -71,24 +79,27 @@ def verdict(results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     if omni is None or not peers:
         return None
     rows: list[dict[str, Any]] = []
-    peer_figures = {p: {f[0]: f for f in _figures(by_policy[p])} for p in peers}
-    for key, words, higher, value, done in _figures(omni):
-        best: tuple[str, float, int | None] | None = None
+    peer_figures = {p: {f.key: f for f in _figures(by_policy[p])} for p in peers}
+    for ours in _figures(omni):
+        higher = ours.higher_is_better
+        best: tuple[str, Figure] | None = None
         for peer in peers:
-            theirs = peer_figures[peer].get(key)
-            if theirs is None or theirs[3] is None:
+            theirs = peer_figures[peer].get(ours.key)
+            if theirs is None or theirs.value is None:
                 continue
-            if best is None or _better(theirs[3], best[1], higher):
-                best = (peer, theirs[3], theirs[4])
+            if best is None or _better(theirs.value, best[1].value, higher):
+                best = (peer, theirs)
         if best is None:
             continue  # no peer has this figure (no job of the class completed under any)
-        row = {"figure": key, "words": words, "higher_is_better": higher, "omni": value,
-               "best_peer": best[0], "best_peer_value": best[1],
-               "ahead": value is not None and not _better(best[1], value, higher)}
-        if done is not None and best[2] is not None:
-            row["omni_completed"], row["best_peer_completed"] = done, best[2]
+        peer, theirs = best
+        row = {"figure": ours.key, "words": ours.words, "higher_is_better": higher, "omni": ours.value,
+               "best_peer": peer, "best_peer_value": theirs.value,
+               "ahead": ours.value is not None and not _better(theirs.value, ours.value, higher)}
+        if ours.completed is not None and theirs.completed is not None:
+            row["omni_completed"], row["best_peer_completed"] = ours.completed, theirs.completed
         rows.append(row)
-    shortfall = _policys(omni, "reservation_shortfall_faults_aside", "reservation_shortfall")
+    aside = omni.get("reservation_shortfall_faults_aside")
+    shortfall = float(omni.get("reservation_shortfall") or 0.0) if aside is None else float(aside)
     bounds: list[dict[str, Any]] = [
         {"figure": "reservation_shortfall", "words": "critical reservation shortfall, node failures aside",
          "omni": shortfall, "limit": 0.0, "met": shortfall <= 0.0},
@@ -103,11 +114,6 @@ def verdict(results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
             "behind": [r for r in rows if not r["ahead"]], "bounds": bounds}
 
 
-def _policys(result: Mapping[str, Any], key: str, fallback: str) -> float:
-    value = result.get(key)
-    return float(result.get(fallback) or 0.0) if value is None else float(value)
-
-
 def _thrown_away(result: Mapping[str, Any]) -> float:
     """The GPU-seconds of steps a policy's own stops threw away (``lost_gpu_s_by_cause["kill"]``):
     what node failures throw away is the same under every policy, so not the policy's doing."""
@@ -116,13 +122,17 @@ def _thrown_away(result: Mapping[str, Any]) -> float:
 
 
 def verdict_value(key: str, value: float | None) -> str:
-    """A figure's value as the verdict shows it."""
+    """A figure's or a bound's value as the verdict shows it."""
     if value is None:
         return "none completed"
     if key in ("utilization", "goodput"):
         return f"{value * 100:.2f}%"
     if key == "preemptions_per_completed_job":
         return f"{value:.2f}"
+    if key == "reservation_shortfall":
+        return f"{value * 100:.3f}%"
+    if key == "lost_gpu_s":
+        return f"{value:,.0f}"
     return f"{value:,.0f} s"
 
 
@@ -140,9 +150,8 @@ def format_verdict(found: Mapping[str, Any] | None) -> str:
         lines.append(f"  {row['words']}: {verdict_value(row['figure'], row['omni'])} "
                      f"({row['best_peer']} {verdict_value(row['figure'], row['best_peer_value'])}{done})")
     for bound in found["bounds"]:
-        if bound["figure"] == "lost_gpu_s":
-            shown = f"{bound['omni']:,.0f} against a limit of {bound['limit']:,.0f}"
-        else:
-            shown = f"{bound['omni'] * 100:.3f}%"
+        shown = verdict_value(bound["figure"], bound["omni"])
+        if bound["figure"] != "reservation_shortfall":  # whose limit, 0, goes without saying
+            shown += f" against a limit of {verdict_value(bound['figure'], bound['limit'])}"
         lines.append(f"  {bound['words']}: {shown}: {'met' if bound['met'] else 'NOT MET'}")
     return "\n".join(lines) + "\n"
