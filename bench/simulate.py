@@ -6,7 +6,8 @@ generated here with the same shape (1,024 GPUs, 5,200 jobs with Poisson arrivals
 sizes and durations, two reservations, a few node faults), under every policy by default
 (``--policy NAME`` for one). Prints one JSON object: ``philly_week_all_s``, the CPU seconds of
 all the policies' replays together (one core's work, steadier on a shared machine than wall
-time; target: at most 120), the per-policy wall and CPU times and headline metrics beside it,
+time; target: at most 120), the per-policy wall and CPU times and headline metrics beside it
+(with ``where_pct``: where the policy's healthy GPU-seconds went),
 and each policy's CPU time over ``static``'s (the baseline measured in the same run), and
 ``omni_verdict``: on how many of the figures the issue races the peers on omni leads or ties,
 the ones it does not with the best peer's value, and whether its two bounds hold
@@ -25,6 +26,7 @@ from typing import Any
 
 from jobs.simulator import parse_scenario, simulate
 from jobs.simulator.policies import POLICIES
+from jobs.simulator.results import where_gpu_s_went
 from jobs.simulator.scenario import ScenarioError, load_scenario
 from jobs.simulator.verdict import verdict
 
@@ -88,6 +90,8 @@ def replay(scenario: Any, policy: str) -> tuple[dict[str, Any], dict[str, Any]]:
         "reservation_shortfall": result["reservation_shortfall"],
         "lost_gpu_s": result["lost_gpu_s"],
         "invariant_violations": len(result["invariant_violations"]),
+        # Where the healthy GPU-seconds went, in % (``results.where_gpu_s_went``).
+        "where_pct": {k: round(v * 100, 3) for k, v in (where_gpu_s_went(result) or {}).items()},
     }, result
 
 

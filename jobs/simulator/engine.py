@@ -148,6 +148,24 @@ class Simulation:
         self.healthy_gpu_s = 0.0
         self.allocated_gpu_s = 0.0  # GPUs held by any job, integrated (goodput's denominator)
         self.lost_by_cause = {"kill": 0.0, "fault": 0.0}
+        # Where the GPU-seconds go (``results.account``): the GPUs held now by what their job
+        # does (``held_by_activity``, "incoming" for GPUs a job is given but not yet using),
+        # recounted at each advance for the jobs changed since (``changed``), integrated into
+        # ``gpu_s_by_activity``; and the idle GPUs on reserved nodes, each node counted in the
+        # first pool by name that covers it (``idle_reserved_gpu_s``).
+        self.held_by_activity: dict[str, int] = {}
+        self.gpu_s_by_activity: dict[str, float] = {}
+        self.counted: dict[str, tuple[str, int, int]] = {}
+        self.changed: set[str] = set()
+        self.pool_first: dict[str, str] = {}
+        for r in sorted(self.reservations, key=lambda r: r.name):
+            for n in r.nodes:
+                self.pool_first.setdefault(n, r.name)
+        self.pool_first_gpus: dict[str, int] = dict.fromkeys((r.name for r in self.reservations), 0)
+        for n, r_name in self.pool_first.items():
+            self.pool_first_gpus[r_name] += self.nodes[n].gpus
+        self.held_in_pool: dict[str, int] = dict.fromkeys(self.pool_first_gpus, 0)
+        self.idle_reserved_gpu_s = 0.0
         self.preemptions = 0
         self.graceful_preemptions = 0
         self.planner_calls = 0
@@ -208,9 +226,14 @@ class Simulation:
     # --- state changes with invariant checks ----------------------------------------------------
 
     def _touch(self, job: SimJob) -> None:
+        self.changed.add(job.spec.name)
         job.version += 1
         self.state_version += 1
         self.view.touched.add(job.spec.name)
+
+    def _set_activity(self, job: SimJob, activity: str) -> None:
+        job.activity = activity
+        self.changed.add(job.spec.name)
 
     def _activate(self, name: str, active: bool) -> None:
         """A job joins the active set (submitted) or leaves it (done, cancelled)."""
@@ -244,6 +267,7 @@ class Simulation:
             holder = self.owner.get(g)
             if holder is not None and holder != job.spec.name:
                 self._violation(f"GPU {g.label()} held by both {holder} and {job.spec.name}")
+                self.changed.add(holder)
                 if self.ledger is not None:
                     self.ledger.hold(self.jobs[holder].spec.team, -1, g not in self.uncharged)
                     self.uncharged.discard(g)
@@ -256,7 +280,10 @@ class Simulation:
                 self._violation(f"{job.spec.name} placed on down node {g.node}")
             if new_placement and self.health[g.node] in ("draining", "cordoned"):
                 self._violation(f"{job.spec.name} placed on {self.health[g.node]} node {g.node}")
+            if holder is None and g.node in self.pool_first:
+                self.held_in_pool[self.pool_first[g.node]] += 1
             self.owner[g] = job.spec.name
+        self.changed.add(job.spec.name)
 
     def pool_zone(self, node: str) -> str | None:
         """The pool ``node`` is in as the planner's snapshot shows it: a reservation's, or a lent
@@ -316,9 +343,12 @@ class Simulation:
             (self.uncharged.discard if charged else self.uncharged.add)(g)
 
     def _unassign(self, job: SimJob, gpus: list[Gpu]) -> None:
+        self.changed.add(job.spec.name)
         for g in gpus:
             if self.owner.get(g) == job.spec.name:
                 del self.owner[g]
+                if g.node in self.pool_first:
+                    self.held_in_pool[self.pool_first[g.node]] -= 1
                 if self.ledger is not None:
                     self.ledger.hold(job.spec.team, -1, g not in self.uncharged)
                     self.uncharged.discard(g)
@@ -401,7 +431,7 @@ class Simulation:
                 job.ring.append(base * min(2.0, max(0.5, 1.0 + cv * job.rng.gauss(0.0, 1.0))))
         else:
             job.ring.append(base)
-        job.activity = "computing"
+        self._set_activity(job, "computing")
         job.seg_t0 = self.now
         job.seg_k = k
         job.seg_step_s = base * noise
@@ -435,7 +465,7 @@ class Simulation:
     def _after_save_point(self, job: SimJob) -> None:
         idle = sum(p.duration_s for p in job.spec.idle_phases if job.committed % p.every_steps == 0)
         if idle > 0 and job.committed > 0:
-            job.activity = "idle"
+            self._set_activity(job, "idle")
             job.idle_until = self.now + idle
             job.epoch += 1
             self._touch(job)
@@ -445,7 +475,7 @@ class Simulation:
         self._start_computing(job)
 
     def _begin_save(self, job: SimJob, activity: str) -> None:
-        job.activity = activity
+        self._set_activity(job, activity)
         job.epoch += 1
         save_s = job.spec.checkpoint.save_s
         self._touch(job)
@@ -522,11 +552,11 @@ class Simulation:
             job.queued_since = self.now
             job.epoch += 1
             if job.idle_until is not None and job.idle_until > self.now + EPS:
-                job.activity = "parked"
+                self._set_activity(job, "parked")
                 self._job_event(job, job.idle_until, "idle_end")
             else:
                 job.idle_until = None
-                job.activity = "waiting"
+                self._set_activity(job, "waiting")
             return
         if op.kind in ("release", "dormant"):
             end = "window" if op.kind == "dormant" else ("preempted" if op.graceful else "killed")
@@ -534,7 +564,7 @@ class Simulation:
             self._unassign(job, job.gpus + job.incoming)
             job.incoming = []
             self._set_layout(job, [])
-            job.activity = "waiting"
+            self._set_activity(job, "waiting")
             job.epoch += 1
             job.run_started = None
             job.queued_since = self.now
@@ -564,10 +594,10 @@ class Simulation:
 
     def _begin_load(self, job: SimJob) -> None:
         if not job.gpus:
-            job.activity = "waiting"
+            self._set_activity(job, "waiting")
             return
         self._open_interval(job)
-        job.activity = "loading"
+        self._set_activity(job, "loading")
         job.epoch += 1
         load_s = job.spec.checkpoint.load_s
         job.load_hist.append(load_s)
@@ -590,7 +620,7 @@ class Simulation:
             self._set_committed(job, job.last_ckpt_step, rollback=True)
         job.seg_k = 0
         job.epoch += 1
-        job.activity = "waiting"
+        self._set_activity(job, "waiting")
         self._touch(job)
 
     def _complete(self, job: SimJob) -> None:
@@ -602,7 +632,7 @@ class Simulation:
         job.gpus = []
         job.dp = 0
         job.terminal = "completed"
-        job.activity = "done"
+        self._set_activity(job, "done")
         job.end_s = self.now
         self._own_pools(job, active=False)
         job.op = None
@@ -625,7 +655,7 @@ class Simulation:
             self._touch(job)
             if job.activity == "parked":
                 # The phase is over: the job waits, entitled to the GPUs it lent out.
-                job.activity = "waiting"
+                self._set_activity(job, "waiting")
                 self._request_plan(self.now)
             elif job.op is not None:
                 self._stop_save_or_execute(job)
@@ -637,7 +667,7 @@ class Simulation:
     def _on_submit(self, job: SimJob) -> None:
         job.submitted = True
         self._own_pools(job, active=True)
-        job.activity = "waiting"
+        self._set_activity(job, "waiting")
         job.queued_since = self.now
         self._activate(job.spec.name, True)
         if self.ledger is not None:
@@ -687,7 +717,7 @@ class Simulation:
                 self._unassign(job, job.gpus + job.incoming)
                 job.gpus, job.incoming, job.dp, job.op = [], [], 0, None
                 job.terminal = "cancelled"
-                job.activity = "done"
+                self._set_activity(job, "done")
                 job.end_s = self.now
                 self._own_pools(job, active=False)
                 job.epoch += 1
@@ -770,6 +800,12 @@ class Simulation:
     # --- main loop ------------------------------------------------------------------------------
 
     def _check_all(self) -> None:
+        results.recount(self)
+        # A plan that breaks an invariant (a GPU held twice) is reported as such; the uses then
+        # follow each job's own list of GPUs.
+        if not self.violations and sum(self.held_by_activity.values()) != len(self.owner):
+            raise RuntimeError(f"t={self.now}: GPUs counted by activity {self.held_by_activity} are not the "
+                               f"{len(self.owner)} held")
         seen: dict[Gpu, str] = {}
         for name in self.active_names:
             job = self.jobs[name]

@@ -7,7 +7,8 @@ a page that opens offline (plotly.js is embedded inline, no CDN) with:
 1. the metrics side by side (every figure the simulator reports: utilisation, goodput, the
    fluid bound and the share of it, shortfall, preemptions, lost work, and per class the median
    and p95 completion time and queueing delay), then, with omni and a peer among them, omni
-   against the peers figure by figure (``jobs.simulator.verdict``);
+   against the peers figure by figure (``jobs.simulator.verdict``), and where each policy's
+   healthy GPU-seconds went (``results.where_gpu_s_went``);
 2. completion-time CDFs per class, every policy overlaid;
 3. utilisation over time (useful / healthy GPUs), every policy overlaid;
 4. GPUs over time by priority class, allocated vs useful, one panel per policy;
@@ -28,6 +29,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from jobs.simulator.results import WHERE_ROWS, where_gpu_s_went
 from jobs.simulator.verdict import verdict, verdict_value
 
 PRIORITY_CLASSES = ("critical", "regular", "best_effort")
@@ -85,6 +87,9 @@ def write_html(results: list[dict], path: str | Path) -> None:
     found = verdict(results)
     if found is not None:
         sections.append(("omni against the peers", verdict_table_html(found)))
+    where = where_table_html(results)
+    if where:
+        sections.append(("Where the healthy GPU-seconds went", where))
     figures = [
         ("Job completion time CDF per class", completion_cdf_figure(results)),
         ("Utilisation over time: useful / healthy GPUs", utilization_figure(results)),
@@ -168,6 +173,22 @@ def metrics_table_html(results: Sequence[Mapping[str, Any]]) -> str:
     if violations:
         table += f"<ul>{''.join(violations)}</ul>"
     return table
+
+
+def where_table_html(results: Sequence[Mapping[str, Any]]) -> str:
+    """``where_gpu_s_went`` side by side, a row per use any policy has, in % of the healthy
+    GPU-seconds; empty when a result lacks it."""
+    shares = [where_gpu_s_went(r) for r in results]
+    if any(share is None for share in shares):
+        return ""
+    header = "".join(f"<th>{html.escape(str(r.get('policy', '?')))}</th>" for r in results)
+    rows = []
+    for key, _, words in WHERE_ROWS:
+        if all(abs(share.get(key, 0.0)) < 5e-5 for share in shares):
+            continue
+        cells = "".join(f"<td>{share.get(key, 0.0) * 100:.2f}%</td>" for share in shares)
+        rows.append(f"<tr><td>{html.escape(words)}</td>{cells}</tr>")
+    return f"<table id=\"where\"><tr><th>use</th>{header}</tr>{''.join(rows)}</table>"
 
 
 def verdict_table_html(found: Mapping[str, Any]) -> str:

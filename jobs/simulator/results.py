@@ -10,6 +10,8 @@ Result shape (FORMAT.md fields plus extras), JSON-able::
      invariant_violations: [str], planner_calls, wall_s,
      goodput, allocated_gpu_s, utilization_bound, bound_useful_gpu_s, bound_share,
      preemptions_per_completed_job, resizes,
+     gpu_s_by_use: {computing, saving, saving_to_stop, loading, idle_phase, incoming,
+                    idle_reserved, idle_other},   # sums to healthy_gpu_s; a use never seen is left out
      classes: {critical|regular|best_effort|all: {jobs, completed, jct_median_s, jct_p95_s,
                jct_horizon_median_s, jct_horizon_p95_s, queue_median_s, queue_p95_s,
                preemptions}},
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,13 +72,53 @@ def entitlement(sim: Simulation, res: Reservation, t: float) -> tuple[int, int]:
     return cap, min(cap, len(job.gpus))
 
 
+def recount(sim: Simulation) -> None:
+    """Bring ``held_by_activity`` up to date for the jobs changed since it was last counted: each
+    job's GPUs under what it does now, the GPUs it is given but not yet using under "incoming"."""
+    held, counted = sim.held_by_activity, sim.counted
+    for name in sim.changed:
+        job = sim.jobs[name]
+        now = (job.activity, len(job.gpus), len(job.incoming))
+        before = counted.get(name)
+        if before == now:
+            continue
+        if before is not None:
+            held[before[0]] -= before[1]
+            held["incoming"] -= before[2]
+        held[now[0]] = held.get(now[0], 0) + now[1]
+        held["incoming"] = held.get("incoming", 0) + now[2]
+        counted[name] = now
+    sim.changed.clear()
+
+
+def account(sim: Simulation, a: float, b: float) -> None:
+    """Where the GPU-seconds of [a, b) go: held GPUs by what their job does, and idle GPUs on the
+    nodes of the reservations the planner sees at ``a`` (each node in the first pool by name that
+    covers it): from the replay's start, before the first window too, until the reservation's end
+    or its job's."""
+    dt = b - a
+    by_activity = sim.gpu_s_by_activity
+    for activity, n in sim.held_by_activity.items():
+        if n:
+            by_activity[activity] = by_activity.get(activity, 0.0) + n * dt
+    for res in sim.reservations:
+        pool = sim.pool_first_gpus.get(res.name, 0)
+        if pool and (res.end_s is None or a < res.end_s) and (res.team or sim.jobs[res.job].terminal is None):
+            if sim.down:
+                pool -= sum(sim.nodes[n].gpus for n in sim.down if sim.pool_first.get(n) == res.name)
+            sim.idle_reserved_gpu_s += max(0, pool - sim.held_in_pool[res.name]) * dt
+
+
 def advance(sim: Simulation, t: float) -> None:
     """Integrate metrics over [last_t, t) with the state as it is, and take samples."""
+    if sim.changed:
+        recount(sim)
     a, b = sim.last_t, min(t, sim.horizon)
     if b > a:
         healthy = sim.total_gpus - sum(sim.nodes[name].gpus for name in sim.down)
         sim.healthy_gpu_s += healthy * (b - a)
         sim.allocated_gpu_s += len(sim.owner) * (b - a)
+        account(sim, a, b)
         if sim.ledger is not None:
             sim.ledger.advance(sim, a, b)
         for res in sim.reservations:
@@ -189,12 +231,59 @@ def result(sim: Simulation, wall_s: float) -> dict[str, Any]:
         "preemptions_per_completed_job": round(sim.preemptions / completed, 6) if completed else None,
         "resizes": sum(1 for j in jobs_out for seg in j["segments"] if seg["end"] == "resized"),
         "classes": class_figures(jobs_out, sim.horizon),
+        "gpu_s_by_use": gpu_s_by_use(sim),
     })
     if sim.ledger is not None:
         out.update(sim.ledger.result(sim))
     if sim.record_events:
         out["events"] = sim.records
     return out
+
+
+#: ``gpu_s_by_use``'s names for what a job holding GPUs does (``SimJob.activity``).
+USE_OF_ACTIVITY = {"computing": "computing", "saving": "saving", "stop_saving": "saving_to_stop",
+                   "loading": "loading", "idle": "idle_phase", "incoming": "incoming"}
+
+
+def gpu_s_by_use(sim: Simulation) -> dict[str, float]:
+    """Where the healthy GPU-seconds went, summing to ``healthy_gpu_s``: held GPUs by what their
+    job did (computing, saving at a periodic checkpoint, saving to stop or resize, loading, in
+    a known idle phase, given to a job but not yet in use), then idle ones: on the nodes of a
+    reservation while it runs (``idle_reserved``), and elsewhere (``idle_other``)."""
+    out = {USE_OF_ACTIVITY.get(a, a): round(v, 3) for a, v in sorted(sim.gpu_s_by_activity.items()) if v}
+    idle = sim.healthy_gpu_s - sim.allocated_gpu_s
+    out["idle_reserved"] = round(sim.idle_reserved_gpu_s, 3)
+    out["idle_other"] = round(idle - sim.idle_reserved_gpu_s, 3) + 0.0  # + 0.0: no "-0.0"
+    return out
+
+
+#: ``where_gpu_s_went``'s rows: (key, a column's short name, words).
+WHERE_ROWS = (
+    ("useful", "kept", "kept steps (utilization)"),
+    ("lost", "lost", "steps thrown away"),
+    ("computing_other", "slow", "computing beyond the steps' nominal time (slow nodes, step-time noise)"),
+    ("saving", "saves", "periodic checkpoint saves"),
+    ("saving_to_stop", "stop saves", "saves to stop or resize"),
+    ("loading", "loads", "loads after a (re)start or resize"),
+    ("idle_phase", "idle phases", "held through known idle phases"),
+    ("incoming", "incoming", "given to a job, not yet in use"),
+    ("idle_reserved", "idle reserved", "idle on reserved nodes"),
+    ("idle_other", "idle other", "idle elsewhere"),
+)
+
+
+def where_gpu_s_went(result: Mapping[str, Any]) -> dict[str, float] | None:
+    """``gpu_s_by_use`` as shares of the healthy GPU-seconds, computing split into the kept steps
+    (``useful_gpu_s``), the steps thrown away (``lost_gpu_s``) and the rest of the computing time
+    (a step counts at its nominal time: slower steps on a slow node, or step-time noise, which can
+    make this a little negative); None for a result without it (written before it existed)."""
+    uses, healthy = result.get("gpu_s_by_use"), result.get("healthy_gpu_s")
+    if uses is None or not healthy:
+        return None
+    useful, lost = result["useful_gpu_s"], result["lost_gpu_s"]
+    out = {"useful": useful, "lost": lost, "computing_other": uses.get("computing", 0.0) - useful - lost}
+    out.update((k, v) for k, v in uses.items() if k != "computing")
+    return {k: v / healthy for k, v in out.items()}
 
 
 # --- completion time and queueing delay per class ----------------------------------------------

@@ -26,6 +26,10 @@ def test_all_policies_are_timed_and_summed(capsys: pytest.CaptureFixture[str]) -
     assert out["cpu_ratio_to_static"]["static"] == 1.0
     assert out["policies"]["omni"]["invariant_violations"] == 0
     assert 0 < out["policies"]["omni"]["utilization"] <= 1
+    for figures in out["policies"].values():
+        where = figures["where_pct"]
+        assert sum(where.values()) == pytest.approx(100, abs=0.01)
+        assert where["useful"] == pytest.approx(figures["utilization"] * 100, abs=0.001)
     # teams.json: omni leads utilisation and keeps both bounds; elastic preempts nobody there.
     found = out["omni_verdict"]
     assert found["bounds_met"] is True and 0 < found["ahead_or_level"] < found["figures"]
