@@ -249,7 +249,8 @@ def gpu_s_by_use(sim: Simulation) -> dict[str, float]:
     """Where the healthy GPU-seconds went, summing to ``healthy_gpu_s``: held GPUs by what their
     job did (computing, saving at a periodic checkpoint, saving to stop or resize, loading, in
     a known idle phase, given to a job but not yet in use), then idle ones: on the nodes of a
-    reservation while it runs (``idle_reserved``), and elsewhere (``idle_other``)."""
+    reservation while the planner sees it, from the replay's start until its end or its job's
+    (``idle_reserved``, ``account``), and elsewhere (``idle_other``)."""
     out = {USE_OF_ACTIVITY.get(a, a): round(v, 3) for a, v in sorted(sim.gpu_s_by_activity.items()) if v}
     idle = sim.healthy_gpu_s - sim.allocated_gpu_s
     out["idle_reserved"] = round(sim.idle_reserved_gpu_s, 3)
