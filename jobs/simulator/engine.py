@@ -151,20 +151,17 @@ class Simulation:
         # Where the GPU-seconds go (``results.account``): the GPUs held now by what their job
         # does (``held_by_activity``, "incoming" for GPUs a job is given but not yet using),
         # recounted at each advance for the jobs changed since (``changed``), integrated into
-        # ``gpu_s_by_activity``; and the idle GPUs on reserved nodes, each node counted in the
-        # first pool by name that covers it (``idle_reserved_gpu_s``).
+        # ``gpu_s_by_activity``; and the idle GPUs on reserved nodes (``idle_reserved_gpu_s``), a
+        # pool's held ones counted as GPUs are assigned and released (``pool_of_node``: the loader
+        # gives each node to one pool at most).
         self.held_by_activity: dict[str, int] = {}
         self.gpu_s_by_activity: dict[str, float] = {}
         self.counted: dict[str, tuple[str, int, int]] = {}
         self.changed: set[str] = set()
-        self.pool_first: dict[str, str] = {}
-        for r in sorted(self.reservations, key=lambda r: r.name):
-            for n in r.nodes:
-                self.pool_first.setdefault(n, r.name)
-        self.pool_first_gpus: dict[str, int] = dict.fromkeys((r.name for r in self.reservations), 0)
-        for n, r_name in self.pool_first.items():
-            self.pool_first_gpus[r_name] += self.nodes[n].gpus
-        self.held_in_pool: dict[str, int] = dict.fromkeys(self.pool_first_gpus, 0)
+        self.pool_gpus: dict[str, int] = dict.fromkeys((r.name for r in self.reservations), 0)
+        for n, r_name in self.pool_of_node.items():
+            self.pool_gpus[r_name] += self.nodes[n].gpus
+        self.held_in_pool: dict[str, int] = dict.fromkeys(self.pool_gpus, 0)
         self.idle_reserved_gpu_s = 0.0
         self.preemptions = 0
         self.graceful_preemptions = 0
@@ -280,8 +277,8 @@ class Simulation:
                 self._violation(f"{job.spec.name} placed on down node {g.node}")
             if new_placement and self.health[g.node] in ("draining", "cordoned"):
                 self._violation(f"{job.spec.name} placed on {self.health[g.node]} node {g.node}")
-            if holder is None and g.node in self.pool_first:
-                self.held_in_pool[self.pool_first[g.node]] += 1
+            if holder is None and g.node in self.pool_of_node:
+                self.held_in_pool[self.pool_of_node[g.node]] += 1
             self.owner[g] = job.spec.name
         self.changed.add(job.spec.name)
 
@@ -347,8 +344,8 @@ class Simulation:
         for g in gpus:
             if self.owner.get(g) == job.spec.name:
                 del self.owner[g]
-                if g.node in self.pool_first:
-                    self.held_in_pool[self.pool_first[g.node]] -= 1
+                if g.node in self.pool_of_node:
+                    self.held_in_pool[self.pool_of_node[g.node]] -= 1
                 if self.ledger is not None:
                     self.ledger.hold(job.spec.team, -1, g not in self.uncharged)
                     self.uncharged.discard(g)

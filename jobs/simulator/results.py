@@ -93,19 +93,18 @@ def recount(sim: Simulation) -> None:
 
 def account(sim: Simulation, a: float, b: float) -> None:
     """Where the GPU-seconds of [a, b) go: held GPUs by what their job does, and idle GPUs on the
-    nodes of the reservations the planner sees at ``a`` (each node in the first pool by name that
-    covers it): from the replay's start, before the first window too, until the reservation's end
-    or its job's."""
+    nodes of the reservations the planner sees at ``a``: from the replay's start, before the first
+    window too, until the reservation's end or its job's."""
     dt = b - a
     by_activity = sim.gpu_s_by_activity
     for activity, n in sim.held_by_activity.items():
         if n:
             by_activity[activity] = by_activity.get(activity, 0.0) + n * dt
     for res in sim.reservations:
-        pool = sim.pool_first_gpus.get(res.name, 0)
+        pool = sim.pool_gpus.get(res.name, 0)
         if pool and (res.end_s is None or a < res.end_s) and (res.team or sim.jobs[res.job].terminal is None):
             if sim.down:
-                pool -= sum(sim.nodes[n].gpus for n in sim.down if sim.pool_first.get(n) == res.name)
+                pool -= sum(sim.nodes[n].gpus for n in sim.down if sim.pool_of_node.get(n) == res.name)
             sim.idle_reserved_gpu_s += max(0, pool - sim.held_in_pool[res.name]) * dt
 
 
