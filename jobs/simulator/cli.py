@@ -16,7 +16,7 @@ import sys
 from typing import Any, TextIO
 
 from jobs.simulator.engine import POLICIES, simulate, stderr_progress
-from jobs.simulator.results import WHERE_ROWS, where_gpu_s_went
+from jobs.simulator.results import where_gpu_s_went, where_rows
 from jobs.simulator.scenario import ScenarioError, load_scenario
 from jobs.simulator.verdict import format_verdict, verdict
 
@@ -70,15 +70,14 @@ def format_table(results: list[dict[str, Any]]) -> str:
                          f"{_seconds(fig['jct_horizon_p95_s'])}) queue {_seconds(fig['queue_median_s'])}/"
                          f"{_seconds(fig['queue_p95_s'])}")
         lines.append(f"  [{r['policy']}] " + "; ".join(parts))
-    shares = [(r["policy"], where_gpu_s_went(r)) for r in results]
-    if all(share is not None for _, share in shares):
-        rows = [row for row in WHERE_ROWS if any(abs(share.get(row[0], 0.0)) >= 5e-5 for _, share in shares)]
+    shares = [where_gpu_s_went(r) for r in results]
+    if all(share is not None for share in shares):
+        rows = where_rows(shares)
         lines.append("where the healthy GPU-seconds went, %: " + "; ".join(f"{short}: {words}" for _, short, words in rows))
-        header = f"{'policy':<13}" + "".join(f" {short:>{max(6, len(short))}}" for _, short, _ in rows)
-        lines.append(header)
-        for policy, share in shares:
-            lines.append(f"{policy:<13}" + "".join(f" {share.get(k, 0.0) * 100:>{max(6, len(short))}.2f}"
-                                                   for k, short, _ in rows))
+        columns = [(key, short, max(6, len(short))) for key, short, _ in rows]
+        lines.append(f"{'policy':<13}" + "".join(f" {short:>{w}}" for _, short, w in columns))
+        for r, share in zip(results, shares, strict=True):
+            lines.append(f"{r['policy']:<13}" + "".join(f" {share.get(k, 0.0) * 100:>{w}.2f}" for k, _, w in columns))
     for r in results:
         if "quota_shortfall" in r:
             jain = "n/a" if r["jain_index"] is None else f"{r['jain_index']:.3f}"

@@ -29,7 +29,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from jobs.simulator.results import WHERE_ROWS, where_gpu_s_went
+from jobs.simulator.results import where_gpu_s_went, where_rows
 from jobs.simulator.verdict import verdict, verdict_value
 
 PRIORITY_CLASSES = ("critical", "regular", "best_effort")
@@ -183,9 +183,7 @@ def where_table_html(results: Sequence[Mapping[str, Any]]) -> str:
         return ""
     header = "".join(f"<th>{html.escape(str(r.get('policy', '?')))}</th>" for r in results)
     rows = []
-    for key, _, words in WHERE_ROWS:
-        if all(abs(share.get(key, 0.0)) < 5e-5 for share in shares):
-            continue
+    for key, _, words in where_rows(shares):
         cells = "".join(f"<td>{share.get(key, 0.0) * 100:.2f}%</td>" for share in shares)
         rows.append(f"<tr><td>{html.escape(words)}</td>{cells}</tr>")
     return f"<table id=\"where\"><tr><th>use</th>{header}</tr>{''.join(rows)}</table>"

@@ -272,6 +272,12 @@ WHERE_ROWS = (
 )
 
 
+def where_rows(shares: Sequence[Mapping[str, float]]) -> list[tuple[str, str, str]]:
+    """The ``WHERE_ROWS`` some of ``shares`` (``where_gpu_s_went``'s) show at two decimals of a
+    percent: the rows a side-by-side table of them needs."""
+    return [row for row in WHERE_ROWS if any(abs(share.get(row[0], 0.0)) >= 5e-5 for share in shares)]
+
+
 def where_gpu_s_went(result: Mapping[str, Any]) -> dict[str, float] | None:
     """``gpu_s_by_use`` as shares of the healthy GPU-seconds, computing split into the kept steps
     (``useful_gpu_s``), the steps thrown away (``lost_gpu_s``) and the rest of the computing time
