@@ -287,8 +287,10 @@ def take_from_victims(
                 if not forced and (entry.protected or (guards and guarded(book, job, other))):
                     continue
             elif entry.rank == my_rank:
-                # Same class: only replicas grown beyond the preferred size (cheap to give
-                # back), or, for a long waiter, a job that has had its min_run_s (rule 8).
+                # Same class: a job grown beyond its preferred size, whose shrinks go no lower
+                # than that size (where none of them completes the need, its preemption is
+                # still offered: docs/simulator.md, "Where omni's rest goes"), or, for a long
+                # waiter, a job that has had its min_run_s (rule 8).
                 if entry.excess and (forced or not entry.protected):
                     floors[other.name] = other.dp
                 elif not (aged and not entry.turn_protected and not entry.aged):

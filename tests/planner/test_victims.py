@@ -111,3 +111,29 @@ def test_an_earlier_victim_is_dropped_when_the_later_ones_free_enough_together()
     c = job("be-c", "best_effort", gpus=gpus_on("r0s0n2", "r0s0n3"), dp=2)
     picked = choose_victims([a, b, c], lambda freed: len(freed) >= 24, PlannerConfig())
     assert picked is not None and [o.job.name for o in picked] == ["be-b", "be-c"]
+
+
+def _grown_and_waiter(waiter_dp: int):
+    """A regular job grown from its preferred dp 2 to 4 on the whole cluster (one node per
+    replica), past its min_run_s, and a regular newcomer of ``waiter_dp`` rigid replicas."""
+    grown = job("grown", gpus=gpus_on(*[f"r0s0n{i}" for i in range(4)]), dp=2, dp_min=1, dp_max=4,
+                global_batch=64, run_started_s=0.0, min_run_s=0.0)
+    return snapshot(NODES, [grown, job("newcomer", dp=waiter_dp, global_batch=64 * waiter_dp)])
+
+
+def test_a_grown_job_of_the_same_class_gives_back_its_growth() -> None:
+    # Its two grown replicas are what the newcomer needs: it shrinks back to its preferred size.
+    result = plan(_grown_and_waiter(2), 100.0, PlannerConfig(ageing_s=1e9))
+    (shrink,) = result.by_kind("shrink")
+    assert shrink.job == "grown" and shrink.dp_after == 2
+    assert not result.by_kind("preempt")
+
+
+def test_a_grown_job_whose_growth_falls_short_is_stopped() -> None:
+    # Its growth (16 GPUs) is less than the newcomer's 24, and its shrinks stop at its preferred
+    # size: its preemption, offered after them, is the option that completes the need (the
+    # behaviour docs/planner.md's rule 4 and docs/simulator.md's "Where omni's rest goes" state).
+    result = plan(_grown_and_waiter(3), 100.0, PlannerConfig(ageing_s=1e9))
+    (preempt,) = result.by_kind("preempt")
+    assert preempt.job == "grown"
+    assert not result.by_kind("shrink")
