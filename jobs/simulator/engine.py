@@ -151,9 +151,9 @@ class Simulation:
         # Where the GPU-seconds go (``results.account``): the GPUs held now by what their job
         # does (``held_by_activity``, "incoming" for GPUs a job is given but not yet using),
         # recounted at each advance for the jobs changed since (``changed``), integrated into
-        # ``gpu_s_by_activity``; and the idle GPUs on reserved nodes (``idle_reserved_gpu_s``), a
-        # pool's held ones counted as GPUs are assigned and released (``pool_of_node``: the loader
-        # gives each node to one pool at most).
+        # ``gpu_s_by_activity``; and the idle GPUs on reserved nodes while their reservation is
+        # in force (``idle_reserved_gpu_s``), a pool's held ones counted as GPUs are assigned and
+        # released (``pool_of_node``: the loader gives each node to one pool at most).
         self.held_by_activity: dict[str, int] = {}
         self.gpu_s_by_activity: dict[str, float] = {}
         self.counted: dict[str, tuple[str, int, int]] = {}
@@ -163,6 +163,11 @@ class Simulation:
             self.pool_gpus[r_name] += self.nodes[n].gpus
         self.held_in_pool: dict[str, int] = dict.fromkeys(self.pool_gpus, 0)
         self.idle_reserved_gpu_s = 0.0
+        # The jobs waiting for GPUs now (submitted, not done, not dormant between their windows),
+        # kept by ``results.recount``; idle GPUs off the reservations in force while any waits
+        # count in ``idle_queued_gpu_s`` (a hole too small for them, or held back).
+        self.queued: set[str] = set()
+        self.idle_queued_gpu_s = 0.0
         self.preemptions = 0
         self.graceful_preemptions = 0
         self.planner_calls = 0
@@ -803,6 +808,10 @@ class Simulation:
         if not self.violations and sum(self.held_by_activity.values()) != len(self.owner):
             raise RuntimeError(f"t={self.now}: GPUs counted by activity {self.held_by_activity} are not the "
                                f"{len(self.owner)} held")
+        waiting = {name for name in self.active_names if results.waits(self.jobs[name])}
+        if waiting != self.queued:
+            raise RuntimeError(f"t={self.now}: the jobs kept as waiting {sorted(self.queued)} are not the "
+                               f"{sorted(waiting)} that wait")
         seen: dict[Gpu, str] = {}
         for name in self.active_names:
             job = self.jobs[name]

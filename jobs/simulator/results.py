@@ -11,7 +11,7 @@ Result shape (FORMAT.md fields plus extras), JSON-able::
      goodput, allocated_gpu_s, utilization_bound, bound_useful_gpu_s, bound_share,
      preemptions_per_completed_job, resizes,
      gpu_s_by_use: {computing, saving, saving_to_stop, loading, idle_phase, incoming,
-                    idle_reserved, idle_other},   # sums to healthy_gpu_s; a use never seen is left out
+                    idle_reserved, idle_queued, idle_other},   # sums to healthy_gpu_s; a use never seen is left out
      classes: {critical|regular|best_effort|all: {jobs, completed, jct_median_s, jct_p95_s,
                jct_horizon_median_s, jct_horizon_p95_s, queue_median_s, queue_p95_s,
                preemptions}},
@@ -50,6 +50,7 @@ from jobs.simulator.state import EPS
 if TYPE_CHECKING:
     from jobs.simulator.engine import Simulation
     from jobs.simulator.scenario import Scenario
+    from jobs.simulator.state import SimJob
 
 
 def share(part: float, whole: float) -> float:
@@ -72,12 +73,22 @@ def entitlement(sim: Simulation, res: Reservation, t: float) -> tuple[int, int]:
     return cap, min(cap, len(job.gpus))
 
 
+def waits(job: SimJob) -> bool:
+    """Whether ``job`` waits for GPUs now: submitted, not done, not running and not asleep
+    between its reservation's windows (``Simulation.queued`` keeps the jobs that do)."""
+    return job.activity == "waiting" and job.submitted and job.terminal is None and not job.dormant
+
+
 def recount(sim: Simulation) -> None:
     """Bring ``held_by_activity`` up to date for the jobs changed since it was last counted: each
     job's GPUs under what it does now, the GPUs it is given but not yet using under "incoming"."""
-    held, counted = sim.held_by_activity, sim.counted
+    held, counted, queued = sim.held_by_activity, sim.counted, sim.queued
     for name in sim.changed:
         job = sim.jobs[name]
+        if waits(job):
+            queued.add(name)
+        else:
+            queued.discard(name)
         now = (job.activity, len(job.gpus), len(job.incoming))
         before = counted.get(name)
         if before == now:
@@ -91,21 +102,30 @@ def recount(sim: Simulation) -> None:
     sim.changed.clear()
 
 
-def account(sim: Simulation, a: float, b: float) -> None:
-    """Where the GPU-seconds of [a, b) go: held GPUs by what their job does, and idle GPUs on the
-    nodes of the reservations the planner sees at ``a``: from the replay's start, before the first
-    window too, until the reservation's end or its job's."""
+def account(sim: Simulation, a: float, b: float, healthy: int) -> None:
+    """Where the GPU-seconds of [a, b) go: held GPUs by what their job does; idle GPUs on the
+    nodes of a reservation the planner sees at ``a`` while it is in force (from its start, its
+    gaps too, until its end or its job's); the other idle GPUs, while some job waits for GPUs
+    (``sim.queued``: ``idle_queued_gpu_s``) or not (the rest, ``gpu_s_by_use``'s ``idle_other``)."""
     dt = b - a
     by_activity = sim.gpu_s_by_activity
     for activity, n in sim.held_by_activity.items():
         if n:
             by_activity[activity] = by_activity.get(activity, 0.0) + n * dt
+    reserved = 0.0
     for res in sim.reservations:
         pool = sim.pool_gpus.get(res.name, 0)
-        if pool and (res.end_s is None or a < res.end_s) and (res.team or sim.jobs[res.job].terminal is None):
-            if sim.down:
-                pool -= sum(sim.nodes[n].gpus for n in sim.down if sim.pool_of_node.get(n) == res.name)
-            sim.idle_reserved_gpu_s += max(0, pool - sim.held_in_pool[res.name]) * dt
+        if not pool or not (res.team or sim.jobs[res.job].terminal is None):
+            continue
+        span = min(b, res.end_s if res.end_s is not None else b) - max(a, res.start_s)
+        if span <= 0:
+            continue
+        if sim.down:
+            pool -= sum(sim.nodes[n].gpus for n in sim.down if sim.pool_of_node.get(n) == res.name)
+        reserved += max(0, pool - sim.held_in_pool[res.name]) * span
+    sim.idle_reserved_gpu_s += reserved
+    if sim.queued:
+        sim.idle_queued_gpu_s += (healthy - len(sim.owner)) * dt - reserved
 
 
 def advance(sim: Simulation, t: float) -> None:
@@ -117,7 +137,7 @@ def advance(sim: Simulation, t: float) -> None:
         healthy = sim.total_gpus - sum(sim.nodes[name].gpus for name in sim.down)
         sim.healthy_gpu_s += healthy * (b - a)
         sim.allocated_gpu_s += len(sim.owner) * (b - a)
-        account(sim, a, b)
+        account(sim, a, b, healthy)
         if sim.ledger is not None:
             sim.ledger.advance(sim, a, b)
         for res in sim.reservations:
@@ -247,13 +267,16 @@ USE_OF_ACTIVITY = {"computing": "computing", "saving": "saving", "stop_saving": 
 def gpu_s_by_use(sim: Simulation) -> dict[str, float]:
     """Where the healthy GPU-seconds went, summing to ``healthy_gpu_s``: held GPUs by what their
     job did (computing, saving at a periodic checkpoint, saving to stop or resize, loading, in
-    a known idle phase, given to a job but not yet in use), then idle ones: on the nodes of a
-    reservation while the planner sees it, from the replay's start until its end or its job's
-    (``idle_reserved``, ``account``), and elsewhere (``idle_other``)."""
+    a known idle phase, given to a job but not yet in use), then idle ones (``account``): on the
+    nodes of a reservation in force, from its start until its end or its job's
+    (``idle_reserved``), elsewhere while some job waits for GPUs (``idle_queued``: holes too
+    small for the jobs that wait, or GPUs the planner holds back), and elsewhere while none does
+    (``idle_other``)."""
     out = {USE_OF_ACTIVITY.get(a, a): round(v, 3) for a, v in sorted(sim.gpu_s_by_activity.items()) if v}
     idle = sim.healthy_gpu_s - sim.allocated_gpu_s
     out["idle_reserved"] = round(sim.idle_reserved_gpu_s, 3)
-    out["idle_other"] = round(idle - sim.idle_reserved_gpu_s, 3) + 0.0  # + 0.0: no "-0.0"
+    out["idle_queued"] = round(sim.idle_queued_gpu_s, 3)
+    out["idle_other"] = round(idle - sim.idle_reserved_gpu_s - sim.idle_queued_gpu_s, 3) + 0.0  # + 0.0: no "-0.0"
     return out
 
 
@@ -267,8 +290,9 @@ WHERE_ROWS = (
     ("loading", "loads", "loads after a (re)start or resize"),
     ("idle_phase", "idle phases", "held through known idle phases"),
     ("incoming", "incoming", "given to a job, not yet in use"),
-    ("idle_reserved", "idle reserved", "idle on reserved nodes"),
-    ("idle_other", "idle other", "idle elsewhere"),
+    ("idle_reserved", "idle reserved", "idle on reserved nodes, the reservation in force"),
+    ("idle_queued", "idle queued", "idle elsewhere while jobs wait (too few for them, or held back)"),
+    ("idle_other", "idle other", "idle elsewhere, no job waiting"),
 )
 
 
