@@ -80,8 +80,9 @@ def waits(job: SimJob) -> bool:
 
 
 def recount(sim: Simulation) -> None:
-    """Bring ``held_by_activity`` up to date for the jobs changed since it was last counted: each
-    job's GPUs under what it does now, the GPUs it is given but not yet using under "incoming"."""
+    """Bring ``held_by_activity`` and ``queued`` up to date for the jobs changed since they were
+    last counted: each job's GPUs under what it does now, the GPUs it is given but not yet using
+    under "incoming", and whether it waits for GPUs (``waits``)."""
     held, counted, queued = sim.held_by_activity, sim.counted, sim.queued
     for name in sim.changed:
         job = sim.jobs[name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jobs.planner import PlannerConfig, Reservation, plan
+from jobs.planner.snapshot import Snapshot
 from jobs.planner.victims import choose_victims, loss_gpu_s, victim_options, victim_sort_key
 from tests.planner.factory import cluster, gpus_on, job, snapshot
 
@@ -113,7 +114,7 @@ def test_an_earlier_victim_is_dropped_when_the_later_ones_free_enough_together()
     assert picked is not None and [o.job.name for o in picked] == ["be-b", "be-c"]
 
 
-def _grown_and_waiter(waiter_dp: int):
+def _grown_and_waiter(waiter_dp: int) -> Snapshot:
     """A regular job grown from its preferred dp 2 to 4 on the whole cluster (one node per
     replica), past its min_run_s, and a regular newcomer of ``waiter_dp`` rigid replicas."""
     grown = job("grown", gpus=gpus_on(*[f"r0s0n{i}" for i in range(4)]), dp=2, dp_min=1, dp_max=4,
