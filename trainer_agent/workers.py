@@ -249,6 +249,36 @@ class TorchrunJob:
         return {"rank": None, "code": self.returncode(), "signal": None, "at": time.time(),
                 "tail": _tail(self.paths.log_dir / "torchrun.log")}
 
+    def _teardown(self, info: dict[str, Any], returncode: int, outcomes: tuple[str, ...]) -> str | None:
+        """``failed_after_finish`` for an ``omni`` run that exited non-zero and was not killed, from
+        the leader's exit.json (a follower reads it on the shared storage)."""
+        if self.integration != "omni" or returncode == 0 or self.handle.killed:
+            return None
+        ended = info if self.handle.leader else self.exit_info()
+        return self.failed_after_finish(ended) if ended.get("outcome") in outcomes else None
+
+    def failed_after_finish(self, info: dict[str, Any]) -> str | None:
+        """The first failing rank on this node, when it failed only after the run had ended well:
+        rank 0 had written ``exit.json`` (preempted, resize or completed) before that rank exited,
+        and a stop's checkpoint is the step it names and is on disk. Under load a rank can abort
+        in the interpreter's teardown after ``finish`` (SIGABRT, "terminate called without an
+        active exception"), torchrun then exits non-zero, and the run lost nothing. None when no
+        rank failed, or one failed before the run's end was written; else what the audit says."""
+        outcome = info.get("outcome")
+        if outcome not in ("preempted", "resize", "completed"):
+            return None
+        step = info.get("step")
+        if outcome != "completed" and not (isinstance(step, int) and info.get("checkpoint_step") == step
+                                           and self.newest_checkpoint() >= step):
+            return None
+        failure = self.failure()
+        written = info.get("at")
+        if failure.get("rank") is None or not isinstance(written, (int, float)):
+            return None  # torchrun failed on its own, or an exit.json that does not say when
+        if float(written) > float(failure.get("at") or 0.0):
+            return None
+        how = f"signal {failure['signal']}" if failure.get("signal") else f"code {failure.get('code')}"
+        return f"rank {failure['rank']} exited with {how} after the run had ended at step {step}"
 
     # -- how the run ended -------------------------------------------------------------------
 
@@ -278,12 +308,15 @@ class TorchrunJob:
             facts["outcome"] = info.get("outcome") or f"exit {returncode}"
         else:
             facts["outcome"] = "exited" if returncode == 0 else f"exit {returncode}"
+        late = self._teardown(info, returncode, ("preempted", "resize", "completed"))
+        if late:
+            facts["teardown"] = late
         if h.stop_kind == "stop":
             ok = True
         elif omni and h.leader:
-            ok = returncode == 0 and info.get("outcome") in ("preempted", "completed", "resize")
+            ok = (returncode == 0 or bool(late)) and info.get("outcome") in ("preempted", "completed", "resize")
         elif omni:
-            ok = returncode == 0 and not h.killed
+            ok = (returncode == 0 or bool(late)) and not h.killed
         else:
             # Signal mode: whatever the script does with SIGTERM (save and exit 0, or die of
             # it), leaving within grace is a graceful stop; only the SIGKILL is not.
@@ -298,10 +331,13 @@ class TorchrunJob:
         with the first rank that did."""
         info, facts = self._ending()
         returncode = facts["code"]
-        if returncode == 0:
-            outcome = "completed"
-            if info.get("outcome") == "preempted":
-                outcome = "stopped"  # a signal from outside Omni stopped it at a checkpoint
+        late = self._teardown(info, returncode, ("preempted", "completed"))
+        if late:
+            facts["teardown"] = late
+        if returncode == 0 or late:
+            # "stopped": a signal from outside Omni stopped it at a checkpoint (a follower's
+            # report says "completed", which the server leaves to the leader's)
+            outcome = "stopped" if info.get("outcome") == "preempted" else "completed"
             return {**facts, "outcome": outcome, "step": info.get("step")}
         failure = self.failure()
         return {**facts, "outcome": "failed", "code": failure.get("code") or returncode, "rank": failure.get("rank"),

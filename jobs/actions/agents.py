@@ -264,10 +264,13 @@ def _complete(job: Job, actor: str, outcome: dict[str, Any]) -> None:
     # An ``omni`` run saves its last step as it ends, so the row names it as a checkpoint (the
     # job page's table, ``live_data.checkpoint_of``); a signal-mode script's saves are its own,
     # which Omni never sees, so its row says only how far it went.
+    text = f"{job.name} finished at step {job.committed_steps}."
+    if isinstance(after := outcome.get("teardown"), str):
+        text += f" ({after[:400]}: nothing lost.)"  # a rank failed after the run ended well
     reached = {"step" if job.integration == Integration.OMNI else "steps": job.committed_steps}
     record_event(EventKind.COMPLETE, job=job, actor=actor, nodes_before=nodes, gpus_before=gpus_before,
                  gpus_after=0, **stopped_layout(job), global_batch=job.global_batch, outcome=reached,
-                 reason={"rule": "complete", "text": f"{job.name} finished at step {job.committed_steps}.",
+                 reason={"rule": "complete", "text": text,
                          "inputs": {}})
 
 

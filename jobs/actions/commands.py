@@ -337,6 +337,7 @@ OUTCOME_FIELDS: dict[str, tuple[tuple[type, ...], int, int]] = {
     "removed": ((bool,), 0, 1),
     "error": ((str,), 0, 1 << 20),  # kept to its last ERROR_TAIL_CHARS, where a traceback ends
     "outcome": ((str,), 0, 64),
+    "teardown": ((str,), 0, 400),  # a rank that failed after the run ended well (workers.failed_after_finish)
     "run_id": ((str,), 0, 64),
 }
 
@@ -431,6 +432,8 @@ def _preempt_done(o: _Outcome) -> None:
                     "GPUs released")
         else:
             text = o.text + f"; checkpoint at step {job.last_checkpoint_step} saved, GPUs released"
+            if o.reported.get("teardown"):
+                text += f" ({o.reported['teardown']}: nothing lost)"
         o.audit(text=text, extra={"steps_lost": 0, **_score_stop(o)}, nodes_before=nodes, gpus_before=o.gpus_before,
                 gpus_after=0)
         return

@@ -103,7 +103,9 @@ def test_sigterm_finishes_the_step_saves_and_a_second_sigterm_corrupts_nothing(r
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr
-    step = json.loads((run_dir / "exit.json").read_text())["step"]
+    ended = json.loads((run_dir / "exit.json").read_text())
+    step = ended["step"]
+    assert ended["at"] <= time.time()  # when it was written: what workers.failed_after_finish reads
     assert f"preempted at step {step} (SIGTERM)" in stdout
     store = CheckpointStore(checkpoints)
     assert store.complete_steps() == [step]

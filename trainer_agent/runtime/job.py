@@ -15,6 +15,7 @@ import atexit
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -331,10 +332,12 @@ def trim_records(path: Path, last_step: int) -> None:
 
 
 def write_exit(run_dir: Path, outcome: dict[str, Any]) -> None:
-    """Write ``exit.json`` atomically (what the node agent reports when the ranks are gone)."""
+    """Write ``exit.json`` atomically (what the node agent reports when the ranks are gone), with
+    the time it was written: a rank that fails after it, in the interpreter's teardown, failed
+    after the run ended (``workers.TorchrunJob.failed_after_finish``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".{EXIT_FILE}.tmp"
-    tmp.write_text(json.dumps(outcome), encoding="utf-8")
+    tmp.write_text(json.dumps({**outcome, "at": time.time()}), encoding="utf-8")
     os.replace(tmp, run_dir / EXIT_FILE)
 
 
