@@ -76,6 +76,7 @@ class EventKind(StrEnum):
     RESTART = "restart"
     RUN_DIR_REMOVED = "run_dir_removed"
     TOKEN_ISSUED = "token_issued"
+    TOKEN_REVOKED = "token_revoked"
     USER_ADDED = "user_added"
     TEAM_CREATED = "team_created"
     TEAM_EDITED = "team_edited"
@@ -147,6 +148,7 @@ EVENT_KIND_LABELS: dict[EventKind, str] = {
     EventKind.RESTART: "Restarted after a failure",
     EventKind.RUN_DIR_REMOVED: "Run dir removed",
     EventKind.TOKEN_ISSUED: "API token issued",
+    EventKind.TOKEN_REVOKED: "API token revoked",
     EventKind.USER_ADDED: "User added",
     EventKind.TEAM_CREATED: "Team created",
     EventKind.TEAM_EDITED: "Team edited",

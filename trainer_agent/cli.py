@@ -430,6 +430,49 @@ def login(ctx: Ctx, url: str, token_file: Any) -> None:
 
 
 @command()
+@click.option("--keep-token", is_flag=True, help="Only forget the stored credentials; the token stays valid.")
+def logout(ctx: Ctx, keep_token: bool) -> None:
+    """Revoke the API token on the server and forget the stored credentials.
+
+    The token is the one every command uses (OMNI_TOKEN first, else the stored one); a token the
+    server already refuses (revoked, unknown) is forgotten all the same."""
+    path = config_path()
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as exc:
+        raise Failure(f"cannot read {path}: {exc}", 2) from None
+    said: list[str] = []
+    revoked = False
+    token = os.environ.get("OMNI_TOKEN") or stored.get("token")
+    if keep_token:
+        if not stored:
+            raise Failure(f"not logged in: there are no stored credentials ({path})", 2)
+    else:
+        api = ctx.api
+        token = api.token
+        try:
+            api.request("DELETE", "/api/token/")
+            revoked = True
+            said.append(f"Revoked the API token {token[5:11]}… on {api.url}")
+        except ApiError as exc:
+            if exc.status != 401:
+                raise
+            said.append(f"{api.url} already refuses the token ({exc}); nothing to revoke")
+    forgot = bool(stored) and stored.get("token") == token
+    if forgot:
+        path.unlink()
+        said.append(f"removed {path}")
+    elif stored:
+        said.append(f"{path} holds another token, kept")
+    if os.environ.get("OMNI_TOKEN"):
+        said.append("OMNI_TOKEN is still set in this shell")
+    if ctx.as_json:
+        emit_json({"revoked": revoked, "forgot": forgot, "config": str(path)})
+    else:
+        click.echo("; ".join(said) + ".")
+
+
+@command()
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--wait", is_flag=True, help="Follow the job until it runs or ends.")
 def submit(ctx: Ctx, job_file: Path, wait: bool) -> None:

@@ -26,7 +26,7 @@ Actions never import ``jobs.tasks``: a pass they need after commit is triggered 
 """
 
 from jobs.actions._common import describe_changes
-from jobs.actions.accounts import add_user, issue_api_token
+from jobs.actions.accounts import add_user, issue_api_token, revoke_api_token
 from jobs.actions.agents import (
     fence_stray_workers,
     record_agent_hello,
@@ -102,6 +102,7 @@ from jobs.models.states import IllegalTransition
 __all__ = [
     "add_user",
     "issue_api_token",
+    "revoke_api_token",
     "JOB_EDITABLE_UNTIL_DONE",
     "JOB_EDITABLE_WHILE_PENDING",
     "NODE_EDITABLE",

@@ -1,4 +1,4 @@
-"""People and their credentials: add a user with a role, issue an API token; each audited.
+"""People and their credentials: add a user with a role, issue and revoke API tokens; each audited.
 
 The operators' commands (``manage.py add_user``, ``issue_api_token``; docs/operators.md) call
 these with ``actor`` None, the server's own command line, which the audit log names ``system``.
@@ -14,6 +14,7 @@ from django.contrib.auth.models import AbstractBaseUser, Group
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.utils import timezone
 
 from jobs.actions._common import actor_name
 from jobs.audit import record_event
@@ -78,6 +79,28 @@ def issue_api_token(actor, user, *, label: str = "") -> tuple[ApiToken, str]:
         {"user": user.get_username(), "token": f"{row.prefix}…", "label": label},
     )
     return row, token
+
+
+def revoke_api_token(actor, row: ApiToken) -> ApiToken:
+    """Revoke ``row`` now: it authenticates nothing after this. Its own user may revoke it (``omni
+    logout``), an operator any token, the server's command line (``actor`` None) any. A token
+    already revoked is a ValidationError that says when. The audit row names it by its prefix."""
+    if actor is not None and actor.pk != row.user_id:
+        require_operator(actor, "revoke other people's API tokens")
+    with transaction.atomic():
+        row = ApiToken.objects.select_for_update().select_related("user").get(pk=row.pk)
+        if row.revoked_at is not None:
+            raise ValidationError({"token": [f"API token {row.prefix}… was already revoked at "
+                                             f"{row.revoked_at.isoformat(timespec='seconds')}"]})
+        row.revoked_at = timezone.now()
+        row.save(update_fields=["revoked_at"])
+        owner = row.user.get_username()
+        _record_account_event(
+            EventKind.TOKEN_REVOKED, actor,
+            f"revoked API token {row.prefix}… of {owner}{f' ({row.label})' if row.label else ''}.",
+            {"user": owner, "token": f"{row.prefix}…", "label": row.label},
+        )
+    return row
 
 
 def _record_account_event(kind: EventKind, actor, text: str, inputs: dict[str, Any]) -> None:

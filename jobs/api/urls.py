@@ -1,8 +1,16 @@
 """Routes of the jobs API."""
 
+from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from jobs.api.views import ElasticEventViewSet, JobViewSet, NodeViewSet, ReservationViewSet, TeamViewSet
+from jobs.api.views import (
+    ElasticEventViewSet,
+    JobViewSet,
+    NodeViewSet,
+    ReservationViewSet,
+    TeamViewSet,
+    TokenView,
+)
 
 router = DefaultRouter()
 router.register("jobs", JobViewSet, basename="job")
@@ -11,4 +19,4 @@ router.register("reservations", ReservationViewSet, basename="reservation")
 router.register("teams", TeamViewSet, basename="team")
 router.register("events", ElasticEventViewSet, basename="event")
 
-urlpatterns = router.urls
+urlpatterns = [path("token/", TokenView.as_view(), name="api-token"), *router.urls]

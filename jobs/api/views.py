@@ -17,6 +17,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import MethodNotAllowed, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from jobs import actions, roles
 from jobs.api.logs import LOG_PARAMETERS, JobLogPageSerializer, job_log_page
@@ -38,6 +39,7 @@ from jobs.api.serializers import (
 )
 from jobs.models import (
     Allocation,
+    ApiToken,
     ElasticEvent,
     Job,
     JobState,
@@ -398,3 +400,21 @@ class ElasticEventViewSet(RefuseNulCharacters, MethodBeforePermission, viewsets.
     )
     def list(self, request, *args, **kwargs):
         return super().list(request, *args, **kwargs)
+
+
+class TokenView(RefuseNulCharacters, MethodBeforePermission, APIView):
+    """``DELETE /api/token/``: revoke the API token this request is sent with (``omni logout``);
+    it authenticates nothing after. Any account may revoke its own token, whatever its role. A
+    request signed in by the session names no token: 400. Operators revoke other tokens with
+    ``manage.py revoke_api_token``. Audited (``token_revoked``)."""
+
+    schema = ErrorsAutoSchema(conflicts=False)
+
+    @extend_schema(request=None, responses={204: None})
+    def delete(self, request: Request) -> Response:
+        no_body(request)
+        if not isinstance(request.auth, ApiToken):
+            raise ValidationError({"non_field_errors": ["this request carries no API token to revoke "
+                                                        "(send it as 'Authorization: Token <token>')"]})
+        actions.revoke_api_token(request.user, request.auth)
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -337,3 +337,39 @@ def test_an_outcome_reads_as_key_value_facts_not_a_python_dict():
                "layout": [["n1", 0]], "note": ""}
     assert cli.facts(outcome) == 'ack_ms=647.4 attempts=1 kind=start ok=true layout=[["n1",0]]'
     assert cli.facts(None) == "" and cli.facts({}) == ""
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_logout_revokes_the_token_on_the_server_and_forgets_it(asgi_server, researcher, operator, tmp_path):
+    from jobs import actions
+    from jobs.models import ApiToken, ElasticEvent
+
+    _row, token = actions.issue_api_token(operator, researcher, label="laptop")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMNI_URL", "OMNI_TOKEN")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+
+    def omni(*args: str, code: int = 0, stdin: str | None = None) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "trainer_agent.cli", *args], env=env, cwd=tmp_path, input=stdin,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == code, (args, done.stdout, done.stderr)
+        assert token not in done.stdout + done.stderr
+        return done
+
+    omni("login", "--url", asgi_server, "--token-file", "-", stdin=token + "\n")
+    config = tmp_path / "cfg" / "omni" / "config.json"
+    assert config.exists() and omni("jobs").returncode == 0
+    out = omni("logout").stdout
+    assert f"Revoked the API token {token[5:11]}… on {asgi_server}; removed {config}." in out
+    assert not config.exists()
+    assert ApiToken.objects.get(prefix=token[5:11]).revoked_at is not None
+    row = ElasticEvent.objects.filter(kind="token_revoked").latest("id")
+    assert row.reason["text"] == f"rita revoked API token {token[5:11]}… of rita (laptop)."
+    # The token is dead for every client, and a second logout has nothing to forget.
+    assert "not logged in" in omni("logout", code=2).stderr
+    env.update(OMNI_URL=asgi_server, OMNI_TOKEN=token)
+    assert "revoked" in omni("jobs", code=1).stderr
+    gone = omni("logout").stdout
+    assert "already refuses the token" in gone and "OMNI_TOKEN is still set in this shell" in gone

@@ -134,3 +134,34 @@ def test_a_refused_token_is_never_logged(researcher, caplog):
     assert "API request refused" in caplog.text
     assert token not in caplog.text and token[11:] not in caplog.text
     assert "guessed-token-value" not in caplog.text
+
+
+def test_delete_api_token_revokes_the_token_it_is_sent_with_and_audits_it(researcher, outsider):
+    from jobs.actions.accounts import revoke_api_token
+
+    row, token = issue_api_token(None, researcher, label="laptop")
+    _, kept = issue_api_token(None, researcher)
+    client = _client(token)
+    assert client.delete("/api/token/", {"all": True}, content_type="application/json").status_code == 400
+    response = client.delete("/api/token/")
+    assert response.status_code == 204, response.content
+    row.refresh_from_db()
+    assert row.revoked_at is not None
+    assert client.get("/api/jobs/").json()["detail"] == auth.REVOKED
+    assert _client(kept).get("/api/jobs/").status_code == 200  # only the token sent is revoked
+    event = ElasticEvent.objects.get(kind="token_revoked")
+    assert (event.actor, event.reason["text"]) == ("rita", f"rita revoked API token {row.prefix}… of rita (laptop).")
+    # A user with no role may revoke their own token; the session names none to revoke.
+    _, theirs = issue_api_token(None, outsider)
+    assert _client(theirs).delete("/api/token/").status_code == 204
+    session = Client()
+    session.force_login(researcher)
+    refused = session.delete("/api/token/")
+    assert refused.status_code == 400 and "carries no API token" in refused.json()["non_field_errors"][0]
+    # The action itself: only an operator revokes someone else's token.
+    from django.core.exceptions import PermissionDenied
+
+    other, _ = issue_api_token(None, outsider)
+    with pytest.raises(PermissionDenied):
+        revoke_api_token(researcher, other)
+    assert ApiToken.objects.get(pk=other.pk).revoked_at is None

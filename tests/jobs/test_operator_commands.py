@@ -216,3 +216,46 @@ def test_a_token_issued_at_the_shell_works_on_the_api(role_groups, tmp_path, res
     assert len(result.stderr.splitlines()) == 1
     response = Client(HTTP_AUTHORIZATION=f"Token {token}").get("/api/jobs/")
     assert response.status_code == 200
+
+
+@pytest.mark.django_db
+def test_revoke_api_token_by_its_prefix_or_itself_is_audited_and_the_token_dies(researcher, operator):
+    from jobs.actions.accounts import issue_api_token
+
+    row, token = issue_api_token(None, researcher, label="laptop")
+    _other, other_token = issue_api_token(None, operator)
+    out, _ = _run("revoke_api_token", row.prefix)
+    assert out == f"Revoked API token {row.prefix}… of rita (laptop).\n"
+    assert Client(HTTP_AUTHORIZATION=f"Token {token}").get("/api/jobs/").status_code == 401
+    assert Client(HTTP_AUTHORIZATION=f"Token {other_token}").get("/api/jobs/").status_code == 200
+    event = ElasticEvent.objects.filter(kind="token_revoked").get()
+    assert event.actor == "system" and event.reason["inputs"] == {"user": "rita", "token": f"{row.prefix}…",
+                                                                  "label": "laptop"}
+    assert token not in str(event.reason)
+    out, _ = _run("revoke_api_token", other_token)  # the whole token, as a script holds it
+    assert out == f"Revoked API token {other_token[5:11]}… of olive.\n"
+
+
+@pytest.mark.django_db
+def test_revoke_api_token_refuses_what_it_cannot_name_exactly(researcher, operator):
+    from jobs.actions.accounts import issue_api_token
+
+    row, _ = issue_api_token(None, researcher)
+    twin, _ = issue_api_token(None, operator)
+    ApiToken.objects.filter(pk=twin.pk).update(prefix=row.prefix)  # two tokens that begin alike
+    refusals = [
+        (["revoke_api_token", "abc"], "PREFIX: 'abc' is shorter than a token's 6 characters"),
+        (["revoke_api_token", "zzzzzz"], "no API token begins with 'zzzzzz'"),
+        (["revoke_api_token", row.prefix], f"2 live API tokens begin with {row.prefix!r} (olive, rita): name one with --user"),
+        (["revoke_api_token", "omni_" + "x" * 40], "no API token is that token"),
+    ]
+    for argv, says in refusals:
+        with pytest.raises(CommandError) as refused:
+            _run(*argv)
+        assert refused.value.returncode == 2 and says in str(refused.value), argv
+    assert not ApiToken.objects.filter(revoked_at__isnull=False).exists()
+    _run("revoke_api_token", row.prefix, "--user", "rita")
+    with pytest.raises(CommandError) as again:
+        _run("revoke_api_token", row.prefix, "--user", "rita")
+    assert again.value.returncode == 2 and f"API token {row.prefix}… was already revoked at " in str(again.value)
+    assert ElasticEvent.objects.filter(kind="token_revoked").count() == 1
