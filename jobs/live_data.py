@@ -388,6 +388,15 @@ CLASS_ORDER = Case(
     default=Value(2),
 )
 WAITING_STATES = (JobState.PENDING, JobState.PREEMPTED, JobState.RECOVERING)
+#: The dashboard's header: jobs that hold or are moving GPUs, and jobs waiting for them.
+RUNNING_COUNTED = (JobState.RUNNING, JobState.CHECKPOINTING, JobState.RESIZING, JobState.RECOVERING)
+WAITING_COUNTED = (JobState.PENDING, JobState.PREEMPTED)
+
+
+def job_counts() -> dict[str, int]:
+    """The dashboard's header counts, cluster-wide (one query): ``running`` and ``waiting``."""
+    return Job.objects.aggregate(running=Count("id", filter=Q(state__in=RUNNING_COUNTED)),
+                                 waiting=Count("id", filter=Q(state__in=WAITING_COUNTED)))
 QUEUE_LIMIT = 200
 
 
@@ -396,7 +405,7 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
     rendered on load and sent live as ``cluster_summary`` (jobs.live_events, which adds a
     utilisation point). Counts are the cluster's, for everyone; the queue names every waiting
     job with why it waits, and is cut per viewer (``jobs.live_consumers.payload_for_viewer``).
-    Nine queries (one less with no job waiting, one less with no team, one less given the planner's
+    Ten queries (one less with no job waiting, one less with no team, one less given the planner's
     ``control``): one of them the jobs losing most GPU time and the prediction accuracy
     (``measured_summary``), two the teams' standings (one with no team; ``teams``:
     jobs.team_data.team_standings, the console's team bars; no job named, so no cut).
@@ -418,6 +427,7 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
         "gpus_total": gpus_total,
         "gpus_allocated": held["allocated"],
         "gpus_borrowed": held["borrowed"],
+        "jobs": job_counts(),
         "health": [{"state": state, "label": label, "count": nodes[state]["n"]}
                    for state, label in NodeState.choices if state in nodes],
         "planner": {

@@ -56,6 +56,7 @@ from jobs.live_data import (
     eta,
     human_duration,
     job_checkpoints,
+    job_counts,
     job_markers,
     job_series,
     last_events,
@@ -185,7 +186,6 @@ def _dashboard_context(request: HttpRequest, submit_form: SubmitJobForm | None) 
             "last_at": last.at if last else None,
             "waiting": waiting_note(job, holds.get(job.pk)),
         })
-    counts = dict(Job.objects.values_list("state").annotate(n=Count("id")).order_by())
     context = {
         **_page_context(request, "dashboard"),
         "form": form,
@@ -195,10 +195,7 @@ def _dashboard_context(request: HttpRequest, submit_form: SubmitJobForm | None) 
         "show_owner": any(job.owner_id != user.pk for job in jobs) or not default_mine,
         # With OMNI_JOB_VISIBILITY=own a researcher sees no one else's jobs: no "Everyone's".
         "sees_others": roles.owner_visibility(user, None) > roles.Visibility.NONE,
-        "counts": {
-            "running": sum(counts.get(s, 0) for s in ("running", "checkpointing", "resizing", "recovering")),
-            "waiting": counts.get("pending", 0) + counts.get("preempted", 0),
-        },
+        "counts": job_counts(),
         "gpus_total": sum(Node.objects.values_list("gpu_count", flat=True)),
         "gpus_used": Allocation.objects.count(),
         "gpus_borrowed": Allocation.objects.filter(borrowed_from__isnull=False).count(),

@@ -275,16 +275,9 @@
     // Someone else's job under OMNI_JOB_VISIBILITY=summary: the server sent its summary only.
     if (job.visibility === "summary") { flash(row); return; }
     $("[data-field=layout]", row).textContent = job.dp + " × " + job.accum_steps;
-    $("[data-field=steps]", row).textContent = job.committed_steps;
-    $(".bar > span", row).style.width = (100 * job.progress).toFixed(1) + "%";
-    const stepS = parseFloat(row.dataset.stepS);
-    const eta = $("[data-field=eta]", row);
     // The words of a reloaded row (jobs.live_data.waiting_note): "Waiting since 07:21. <why>".
     const waiting = job.waiting;
-    if (eta && eta.firstChild) {
-      eta.firstChild.textContent = waiting && waiting.cannot_fit ? "ETA — cannot fit this cluster "
-        : "ETA " + humanDuration(job.remaining_steps * stepS) + " ";
-    }
+    setProgress(row, job.committed_steps, waiting && waiting.cannot_fit);
     if (waiting) {
       const lead = el("span", {class: "muted"});
       lead.append(waiting.lead + " ", timeEl(waiting.since, waiting.style), waiting.tail + ".");
@@ -293,6 +286,19 @@
       $("[data-field=last]", row).replaceChildren(timeEl(event.at, "time"), " ", el("span", {text: event.sentence || event.text}));
     }
     flash(row);
+  }
+  // A row's steps, bar and ETA (remaining steps x the row's measured step time) at ``steps``.
+  function setProgress(row, steps, cannotFit) {
+    const total = Number(row.dataset.total);
+    $("[data-field=steps]", row).textContent = steps;
+    const bar = $(".bar", row);
+    if (bar) bar.setAttribute("aria-valuenow", String(steps));
+    $(".bar > span", row).style.width = (total ? (100 * Math.min(steps, total)) / total : 0).toFixed(1) + "%";
+    const eta = $("[data-field=eta]", row);
+    if (eta && eta.firstChild) {
+      eta.firstChild.textContent = cannotFit ? "ETA — cannot fit this cluster "
+        : "ETA " + humanDuration(Math.max(0, total - steps) * parseFloat(row.dataset.stepS)) + " ";
+    }
   }
   function dashboard() {
     const live = new LiveSocket();
@@ -309,8 +315,32 @@
       const row = rows[String(p.job.id)];
       if (row) updateJobRow(row, p.job, p.event);
     }));
+    // Between audit rows a running job's progress comes with its step records (its stream's
+    // telemetry): the newest record's step, as the job page's "steps committed".
+    live.on("step_records", (payloads) => payloads.forEach((p) => {
+      const row = rows[String(p.job)];
+      if (!row || row.dataset.detail !== "full") return;
+      let last = null;
+      asRecords(p).forEach((r) => {
+        if (typeof r.step === "number" && (last === null || recordTime(r) >= recordTime(last))) last = r;
+      });
+      if (last !== null) setProgress(row, last.step, false);
+    }));
+    // The header: the cluster's counts, from every cluster summary (docs/live-ui.md).
+    live.subscribe("cluster");
+    live.on("cluster_summary", (payloads) => {
+      const s = payloads[payloads.length - 1];
+      const counts = {running: s.jobs && s.jobs.running, waiting: s.jobs && s.jobs.waiting,
+                      gpus_allocated: s.gpus_allocated, gpus_total: s.gpus_total, gpus_borrowed: s.gpus_borrowed};
+      Object.entries(counts).forEach(([name, value]) => {
+        const cell = $(`#dashboard-counts [data-count=${name}]`);
+        if (cell && value !== undefined && value !== null && cell.textContent !== String(value)) {
+          cell.textContent = String(value);
+          flash(cell);
+        }
+      });
+    });
     if (summaries) {
-      live.subscribe("cluster");
       live.on("job", (payloads) => payloads.forEach((job) => {
         const row = rows[String(job.id)];
         if (row && row.dataset.detail !== "full") updateJobRow(row, job, null);

@@ -586,3 +586,34 @@ def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, djang
     shot(page, "audit-dark")
     page.goto(f"{asgi_server}/console/")
     shot(page, "console-dark")
+
+
+def test_a_dashboard_left_open_follows_the_steps_and_the_clusters_counts(open_as, asgi_server, researcher, make_job,
+                                                                        running_job):
+    """The rows' progress between audit rows (step records) and the header's counts (the cluster
+    summary): a dashboard left open stays true (found 2026-12-07: after ten minutes of the demo
+    the header still said "1 waiting" and 21 GPUs allocated, and the rows' steps were minutes old)."""
+    job, nodes, token = running_job
+    page = open_as(researcher)
+    wait_live(page, 2)  # the job's stream and the cluster's
+
+    def count(name: str) -> str:
+        return page.locator(f"#dashboard-counts [data-count={name}]").inner_text()
+
+    assert (count("running"), count("waiting"), count("gpus_allocated"), count("gpus_total")) == ("1", "0", "4", "8")
+    row = page.locator(f"#jobs tr[data-job-id='{job.pk}']")
+    eta_before = row.locator("[data-field=eta]").inner_text()
+    post_json(f"{asgi_server}/api/telemetry/steps", {"source": "dashboard-steps", "seq": 1, "samples": [
+        {"job": job.pk, "rank": r, "step": step, "at": time.time() - 1 + 0.1 * step, "step_s": 2.0}
+        for step in (40, 41) for r in range(2)
+    ]}, nodes[0], token)
+    row.locator("[data-field=steps]", has_text="41").wait_for(timeout=3000)
+    assert row.locator(".bar").get_attribute("aria-valuenow") == "41"
+    assert row.locator(".bar > span").evaluate("s => s.style.width") == "4.1%"  # 41 of 1,000 steps
+    assert row.locator("[data-field=eta]").inner_text() != eta_before
+    waiting = in_thread(lambda: make_job(name="waits-here", dp=2, dp_min=1, dp_max=2))
+    page.locator("#dashboard-counts [data-count=waiting]", has_text="1").wait_for(timeout=3000)
+    in_thread(lambda: actions.place_job(Job.objects.get(pk=waiting.pk), [(nodes[1], 2), (nodes[1], 3)], actor="planner",
+                                        reason={"rule": "place", "text": "Placed.", "inputs": {}}))
+    page.locator("#dashboard-counts [data-count=running]", has_text="2").wait_for(timeout=3000)
+    assert (count("waiting"), count("gpus_allocated")) == ("0", "6")
