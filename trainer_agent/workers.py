@@ -23,6 +23,8 @@ from trainer_agent.checkpoint import newest_step
 from trainer_agent.rank import STOP_ASKED
 
 SIM_CHECKPOINT = "sim-checkpoint.json"
+#: The ``exit.json`` outcomes of an ``omni`` run that ended as asked or finished: nothing lost.
+ENDED_WELL = ("preempted", "resize", "completed")
 
 
 @dataclass
@@ -249,23 +251,21 @@ class TorchrunJob:
         return {"rank": None, "code": self.returncode(), "signal": None, "at": time.time(),
                 "tail": _tail(self.paths.log_dir / "torchrun.log")}
 
-    def _teardown(self, info: dict[str, Any], returncode: int, outcomes: tuple[str, ...]) -> str | None:
-        """``failed_after_finish`` for an ``omni`` run that exited non-zero and was not killed, from
-        the leader's exit.json (a follower reads it on the shared storage)."""
+    def failed_after_finish(self, info: dict[str, Any], returncode: int,
+                            outcomes: tuple[str, ...] = ENDED_WELL) -> str | None:
+        """What the audit says of an ``omni`` run that exited non-zero, unkilled, only because a
+        rank on this node failed after the run had ended well: rank 0 had written ``exit.json``
+        (one of ``outcomes``; a follower reads the leader's on the shared storage) before that
+        rank exited, and a stop's checkpoint is the step it names and is on disk. Under load a
+        rank can abort in the interpreter's teardown after ``finish`` (SIGABRT, "terminate called
+        without an active exception"), torchrun then exits non-zero, and the run lost nothing.
+        None for a clean exit, a kill, or a rank that failed before the run's end was written."""
         if self.integration != "omni" or returncode == 0 or self.handle.killed:
             return None
-        ended = info if self.handle.leader else self.exit_info()
-        return self.failed_after_finish(ended) if ended.get("outcome") in outcomes else None
-
-    def failed_after_finish(self, info: dict[str, Any]) -> str | None:
-        """The first failing rank on this node, when it failed only after the run had ended well:
-        rank 0 had written ``exit.json`` (preempted, resize or completed) before that rank exited,
-        and a stop's checkpoint is the step it names and is on disk. Under load a rank can abort
-        in the interpreter's teardown after ``finish`` (SIGABRT, "terminate called without an
-        active exception"), torchrun then exits non-zero, and the run lost nothing. None when no
-        rank failed, or one failed before the run's end was written; else what the audit says."""
+        if not self.handle.leader:
+            info = self.exit_info()
         outcome = info.get("outcome")
-        if outcome not in ("preempted", "resize", "completed"):
+        if outcome not in outcomes:
             return None
         step = info.get("step")
         if outcome != "completed" and not (isinstance(step, int) and info.get("checkpoint_step") == step
@@ -279,6 +279,7 @@ class TorchrunJob:
             return None
         how = f"signal {failure['signal']}" if failure.get("signal") else f"code {failure.get('code')}"
         return f"rank {failure['rank']} exited with {how} after the run had ended at step {step}"
+
 
     # -- how the run ended -------------------------------------------------------------------
 
@@ -308,13 +309,13 @@ class TorchrunJob:
             facts["outcome"] = info.get("outcome") or f"exit {returncode}"
         else:
             facts["outcome"] = "exited" if returncode == 0 else f"exit {returncode}"
-        late = self._teardown(info, returncode, ("preempted", "resize", "completed"))
+        late = self.failed_after_finish(info, returncode)
         if late:
             facts["teardown"] = late
         if h.stop_kind == "stop":
             ok = True
         elif omni and h.leader:
-            ok = (returncode == 0 or bool(late)) and info.get("outcome") in ("preempted", "completed", "resize")
+            ok = (returncode == 0 or bool(late)) and info.get("outcome") in ENDED_WELL
         elif omni:
             ok = (returncode == 0 or bool(late)) and not h.killed
         else:
@@ -331,7 +332,7 @@ class TorchrunJob:
         with the first rank that did."""
         info, facts = self._ending()
         returncode = facts["code"]
-        late = self._teardown(info, returncode, ("preempted", "completed"))
+        late = self.failed_after_finish(info, returncode, ("preempted", "completed"))
         if late:
             facts["teardown"] = late
         if returncode == 0 or late:
