@@ -108,15 +108,20 @@ def save_credentials(url: str, token: str) -> Path:
     return path
 
 
+def stored_credentials() -> dict[str, Any]:
+    """What ``omni login`` stored (``{url, token}``), or ``{}`` when nothing is."""
+    path = config_path()
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise Failure(f"cannot read {path}: {exc}", 2) from None
+
+
 def load_credentials() -> tuple[str, str]:
     """The server URL and token: ``OMNI_URL``/``OMNI_TOKEN`` first, then the config file."""
-    stored: dict[str, Any] = {}
-    path = config_path()
-    if path.exists():
-        try:
-            stored = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise Failure(f"cannot read {path}: {exc}", 2) from None
+    stored = stored_credentials()
     url = os.environ.get("OMNI_URL") or stored.get("url") or ""
     token = os.environ.get("OMNI_TOKEN") or stored.get("token") or ""
     if not url or not token:
@@ -436,11 +441,7 @@ def logout(ctx: Ctx, keep_token: bool) -> None:
 
     The token is the one every command uses (OMNI_TOKEN first, else the stored one); a token the
     server already refuses (revoked, unknown) is forgotten all the same."""
-    path = config_path()
-    try:
-        stored = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError) as exc:
-        raise Failure(f"cannot read {path}: {exc}", 2) from None
+    path, stored = config_path(), stored_credentials()
     said: list[str] = []
     revoked = False
     token = os.environ.get("OMNI_TOKEN") or stored.get("token")
@@ -448,17 +449,18 @@ def logout(ctx: Ctx, keep_token: bool) -> None:
         if not stored:
             raise Failure(f"not logged in: there are no stored credentials ({path})", 2)
     else:
-        api = ctx.api
-        token = api.token
+        api = ctx.api  # the same token: load_credentials reads OMNI_TOKEN, then the file
         try:
             api.request("DELETE", "/api/token/")
             revoked = True
+            # Its prefix as the server shows it (jobs.models.tokens: the 6 characters after "omni_").
             said.append(f"Revoked the API token {token[5:11]}… on {api.url}")
         except ApiError as exc:
             if exc.status != 401:
                 raise
             said.append(f"{api.url} already refuses the token ({exc}); nothing to revoke")
-    forgot = bool(stored) and stored.get("token") == token
+    # --keep-token forgets what is stored; a logout forgets it when it holds the token revoked.
+    forgot = bool(stored) and (keep_token or stored.get("token") == token)
     if forgot:
         path.unlink()
         said.append(f"removed {path}")

@@ -9,6 +9,9 @@ import secrets
 from django.conf import settings
 from django.db import models
 
+TOKEN_START = "omni_"  # every token begins so; the row keeps the PREFIX_CHARS after it, to tell tokens apart
+PREFIX_CHARS = 6
+
 
 def hash_api_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
@@ -32,6 +35,7 @@ class ApiToken(models.Model):
     @classmethod
     def issue(cls, user, label: str = "") -> tuple[ApiToken, str]:
         """A new token for ``user``: the row, and the token itself (never stored)."""
-        token = "omni_" + secrets.token_urlsafe(32)
-        row = cls.objects.create(user=user, label=label, digest=hash_api_token(token), prefix=token[5:11])
+        token = TOKEN_START + secrets.token_urlsafe(32)
+        row = cls.objects.create(user=user, label=label, digest=hash_api_token(token),
+                                 prefix=token[len(TOKEN_START):len(TOKEN_START) + PREFIX_CHARS])
         return row, token

@@ -148,6 +148,16 @@ def test_saved_credentials_are_private_and_the_environment_wins(runner, tmp_path
     assert cli.load_credentials() == ("http://other:8000", "env-token")
 
 
+def test_logout_keep_token_forgets_what_is_stored_whatever_token_the_shell_holds(runner, monkeypatch):
+    path = cli.save_credentials("https://omni.example/", "stored-token")
+    monkeypatch.setenv("OMNI_TOKEN", "env-token")
+    result = runner.invoke(cli.main, ["logout", "--keep-token"])
+    assert result.exit_code == 0, result.output
+    assert not path.exists()
+    assert result.stdout == f"removed {path}; OMNI_TOKEN is still set in this shell.\n"
+    again = runner.invoke(cli.main, ["logout", "--keep-token"])
+    assert again.exit_code == 2 and "there are no stored credentials" in again.stderr
+
 def test_an_unreachable_server_is_exit_1(runner, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,6 +1,6 @@
 """``manage.py revoke_api_token PREFIX [--user NAME]``: revoke an API token by the first
-characters it was issued with (``issue_api_token`` prints them; the audit log and the admin show
-them), audited. A prefix that names no live token, or several (``--user`` then tells them apart),
+characters it was issued with (``issue_api_token`` and the audit log show them), or by the token
+itself, audited. A prefix that names no live token, or several (``--user`` then tells them apart),
 is refused with exit status 2."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from django.core.management.base import CommandError, CommandParser
 from jobs.actions.accounts import revoke_api_token
 from jobs.management.commands._operator import USAGE_ERROR, OperatorCommand
 from jobs.models import ApiToken, hash_api_token
+from jobs.models.tokens import PREFIX_CHARS, TOKEN_START
 
 
 class Command(OperatorCommand):
@@ -24,28 +25,28 @@ class Command(OperatorCommand):
 
     def handle(self, *args: Any, prefix: str, user: str | None, **options: Any) -> None:
         given = prefix.strip()
-        if len(given) > 20:  # the token itself: its digest names exactly one row
-            row = ApiToken.objects.select_related("user").filter(digest=hash_api_token(given)).first()
-            if row is None:
-                raise CommandError("no API token is that token", returncode=USAGE_ERROR)
-            given, user = row.prefix, row.user.get_username()
-        prefix = given.removeprefix("omni_").rstrip("…")[:6]
-        if len(prefix) < 6:
-            raise CommandError(f"PREFIX: {prefix!r} is shorter than a token's 6 characters", returncode=USAGE_ERROR)
-        rows = ApiToken.objects.select_related("user").filter(prefix=prefix)
+        rows = ApiToken.objects.select_related("user")
+        if given.startswith(TOKEN_START) and len(given) > len(TOKEN_START) + PREFIX_CHARS:  # the token itself
+            rows, missing = rows.filter(digest=hash_api_token(given)), "no API token is that token"
+        else:
+            prefix = given.removeprefix(TOKEN_START).rstrip("…")[:PREFIX_CHARS]
+            if len(prefix) < PREFIX_CHARS:
+                raise CommandError(f"PREFIX: {prefix!r} is shorter than a token's {PREFIX_CHARS} characters",
+                                   returncode=USAGE_ERROR)
+            rows, missing = rows.filter(prefix=prefix), f"no API token begins with {prefix!r}"
         if user is not None:
             rows = rows.filter(user__username=user)
+            missing += f" for {user}"
+        rows = list(rows)
         live = [row for row in rows if row.revoked_at is None]
+        if not live and rows:
+            raise CommandError(f"API token {rows[0].prefix}… was already revoked at "
+                               f"{rows[0].revoked_at.isoformat(timespec='seconds')}", returncode=USAGE_ERROR)
         if not live:
-            revoked = [row for row in rows if row.revoked_at is not None]
-            if revoked:
-                raise CommandError(f"API token {prefix}… was already revoked at "
-                                   f"{revoked[0].revoked_at.isoformat(timespec='seconds')}", returncode=USAGE_ERROR)
-            raise CommandError(f"no API token begins with {prefix!r}" + (f" for {user}" if user else ""),
-                               returncode=USAGE_ERROR)
+            raise CommandError(missing, returncode=USAGE_ERROR)
         if len(live) > 1:
             owners = ", ".join(sorted(row.user.get_username() for row in live))
-            raise CommandError(f"{len(live)} live API tokens begin with {prefix!r} ({owners}): name one with --user",
+            raise CommandError(f"{len(live)} live API tokens begin with {live[0].prefix!r} ({owners}): name one with --user",
                                returncode=USAGE_ERROR)
         row = revoke_api_token(None, live[0])
         self.stdout.write(f"Revoked API token {row.prefix}… of {row.user.get_username()}"
