@@ -388,6 +388,7 @@ CLASS_ORDER = Case(
     default=Value(2),
 )
 WAITING_STATES = (JobState.PENDING, JobState.PREEMPTED, JobState.RECOVERING)
+QUEUE_LIMIT = 200
 #: The dashboard's header: jobs that hold or are moving GPUs, and jobs waiting for them.
 RUNNING_COUNTED = (JobState.RUNNING, JobState.CHECKPOINTING, JobState.RESIZING, JobState.RECOVERING)
 WAITING_COUNTED = (JobState.PENDING, JobState.PREEMPTED)
@@ -397,7 +398,11 @@ def job_counts() -> dict[str, int]:
     """The dashboard's header counts, cluster-wide (one query): ``running`` and ``waiting``."""
     return Job.objects.aggregate(running=Count("id", filter=Q(state__in=RUNNING_COUNTED)),
                                  waiting=Count("id", filter=Q(state__in=WAITING_COUNTED)))
-QUEUE_LIMIT = 200
+
+
+def held_gpus() -> dict[str, int]:
+    """GPUs held now, cluster-wide (one query): ``allocated``, and ``borrowed`` from reservations."""
+    return Allocation.objects.aggregate(allocated=Count("id"), borrowed=Count("id", filter=Q(borrowed_from__isnull=False)))
 
 
 def cluster_summary(now: datetime | None = None, *, control: PlannerControl | None = None) -> dict[str, Any]:
@@ -413,7 +418,7 @@ def cluster_summary(now: datetime | None = None, *, control: PlannerControl | No
 
     now = now or timezone.now()
     nodes = {row["state"]: row for row in Node.objects.order_by().values("state").annotate(n=Count("id"), gpus=Sum("gpu_count"))}
-    held = Allocation.objects.aggregate(allocated=Count("id"), borrowed=Count("id", filter=Q(borrowed_from__isnull=False)))
+    held = held_gpus()
     queue = list(Job.objects.filter(state__in=WAITING_STATES).select_related("owner")
                  .order_by(CLASS_ORDER, "submitted_at")[:QUEUE_LIMIT])
     holds = last_holds(job.pk for job in queue)

@@ -54,6 +54,7 @@ from jobs.live_data import (
     RANGES,
     cluster_summary,
     eta,
+    held_gpus,
     human_duration,
     job_checkpoints,
     job_counts,
@@ -197,8 +198,7 @@ def _dashboard_context(request: HttpRequest, submit_form: SubmitJobForm | None) 
         "sees_others": roles.owner_visibility(user, None) > roles.Visibility.NONE,
         "counts": job_counts(),
         "gpus_total": sum(Node.objects.values_list("gpu_count", flat=True)),
-        "gpus_used": Allocation.objects.count(),
-        "gpus_borrowed": Allocation.objects.filter(borrowed_from__isnull=False).count(),
+        "held": held_gpus(),
         "submit_form": submit_form,
     }
     return context

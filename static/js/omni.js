@@ -292,8 +292,8 @@
     const total = Number(row.dataset.total);
     $("[data-field=steps]", row).textContent = steps;
     const bar = $(".bar", row);
-    if (bar) bar.setAttribute("aria-valuenow", String(steps));
-    $(".bar > span", row).style.width = (total ? (100 * Math.min(steps, total)) / total : 0).toFixed(1) + "%";
+    bar.setAttribute("aria-valuenow", String(steps));
+    $("span", bar).style.width = (total ? (100 * Math.min(steps, total)) / total : 0).toFixed(1) + "%";
     const eta = $("[data-field=eta]", row);
     if (eta && eta.firstChild) {
       eta.firstChild.textContent = cannotFit ? "ETA — cannot fit this cluster "
@@ -330,11 +330,11 @@
     live.subscribe("cluster");
     live.on("cluster_summary", (payloads) => {
       const s = payloads[payloads.length - 1];
-      const counts = {running: s.jobs && s.jobs.running, waiting: s.jobs && s.jobs.waiting,
-                      gpus_allocated: s.gpus_allocated, gpus_total: s.gpus_total, gpus_borrowed: s.gpus_borrowed};
+      const counts = {running: s.jobs.running, waiting: s.jobs.waiting, gpus_allocated: s.gpus_allocated,
+                      gpus_total: s.gpus_total, gpus_borrowed: s.gpus_borrowed};
       Object.entries(counts).forEach(([name, value]) => {
         const cell = $(`#dashboard-counts [data-count=${name}]`);
-        if (cell && value !== undefined && value !== null && cell.textContent !== String(value)) {
+        if (cell.textContent !== String(value)) {
           cell.textContent = String(value);
           flash(cell);
         }
