@@ -148,6 +148,27 @@ def test_preempted_gpus_stay_held_until_the_checkpoint_is_confirmed(boss):
     assert job.measured_save_s == pytest.approx(0.4)
 
 
+def test_the_audit_says_a_rank_failed_after_the_checkpoint_and_nothing_was_lost(boss):
+    """A rank that aborted in teardown after the checkpoint (trainer_agent.workers.failed_after_finish):
+    the preempt is clean and its audit row says so."""
+    from jobs import actions
+    from jobs.models import Command, ElasticEvent, Job
+
+    _nodes("a1")
+    node = _run_until_running(boss, "lib")
+    job = Job.objects.get(name="lib")
+    Job.objects.filter(pk=job.pk).update(committed_steps=7)
+    _preempt(job)
+    preempt = Command.objects.get(job=job, kind="preempt")
+    teardown = "rank 1 exited with signal 6 after the run had ended at step 7"
+    actions.record_command_outcome(node, str(preempt.id), ok=True,
+                                   outcome={"checkpoint_step": 7, "step": 7, "save_s": 0.4, "teardown": teardown})
+    job.refresh_from_db()
+    assert job.state == "preempted" and job.last_checkpoint_step == 7
+    row = ElasticEvent.objects.filter(job=job, kind="outcome").latest("id")
+    assert f"checkpoint at step 7 saved, GPUs released ({teardown}: nothing lost)" in row.reason["text"]
+
+
 def test_a_preempt_past_its_deadline_is_recorded_as_a_kill_with_the_steps_lost(boss):
     from jobs import actions
     from jobs.models import Allocation, Command, ElasticEvent, EventKind, Job

@@ -1,8 +1,8 @@
 """A rank that aborts in the interpreter's teardown after its run ended well (SIGABRT, "terminate
 called without an active exception", seen under load) is no failure: the node agent reads the
-order of ``exit.json`` and the rank's exit record, and the checkpoint on disk, and the server's
-audit says what happened. Without torch: the run's files are written as the library and the rank
-wrapper write them."""
+order of ``exit.json`` and the rank's exit record, and the checkpoint on disk (the server's audit
+row: tests/control_loop/test_control_actions.py). Without torch: the run's files are written as
+the library and the rank wrapper write them."""
 
 from __future__ import annotations
 
@@ -78,28 +78,3 @@ def test_a_completed_run_with_a_teardown_abort_reports_completed_not_failed(tmp_
     # the same abort before the end was written is a failure of rank 1
     failed = _ended_run(tmp_path / "b", outcome="completed", step=40, failed_at=99.0).exit_report()
     assert failed["outcome"] == "failed" and failed["rank"] == 1 and failed["signal"] == 6
-
-
-@pytest.fixture
-def boss(db, django_user_model):
-    return django_user_model.objects.create_superuser("boss", "boss@example.com", "boss-pass-1234")
-
-
-def test_the_audit_says_a_rank_failed_after_the_checkpoint_and_nothing_was_lost(boss):
-    from jobs import actions
-    from jobs.models import Command, ElasticEvent, Job
-    from tests.control_loop.test_control_actions import _nodes, _preempt, _run_until_running
-
-    _nodes("a1")
-    node = _run_until_running(boss, "lib")
-    job = Job.objects.get(name="lib")
-    Job.objects.filter(pk=job.pk).update(committed_steps=7)
-    _preempt(job)
-    preempt = Command.objects.get(job=job, kind="preempt")
-    teardown = "rank 1 exited with signal 6 after the run had ended at step 7"
-    actions.record_command_outcome(node, str(preempt.id), ok=True,
-                                   outcome={"checkpoint_step": 7, "step": 7, "save_s": 0.4, "teardown": teardown})
-    job.refresh_from_db()
-    assert job.state == "preempted" and job.last_checkpoint_step == 7
-    row = ElasticEvent.objects.filter(job=job, kind="outcome").latest("id")
-    assert f"checkpoint at step 7 saved, GPUs released ({teardown}: nothing lost)" in row.reason["text"]
