@@ -125,6 +125,44 @@ def test_the_demo_story_plays_once_per_database(db):
     assert "Every node of this database is failed" in no_agents_because()
 
 
+def test_the_stories_last_step_reads_a_completion_that_came_before_it(db, monkeypatch):
+    """Step 4 of ``make demo``'s story (the borrowers resume) reads the audit log from the reclaim,
+    not from its own start: the story's critical job runs about two minutes and usually completes
+    while the node failure is played, so watching from step 4 waited out the watch and said
+    "still running" of a job that had finished. A job that has not finished is still waited for."""
+    import io
+
+    from django.core.management import call_command
+
+    from jobs.audit import record_event
+    from jobs.management.commands import demo
+    from jobs.models import ElasticEvent, Job, Reservation
+
+    call_command("seed_demo", "--story")
+    reservation = Reservation.objects.get(job__name=demo.STORY_CRITICAL_JOB)
+    borrower = Job.objects.filter(priority="best_effort").order_by("name").first()
+    other = Job.objects.filter(priority="best_effort").exclude(pk=borrower.pk).order_by("name").first()
+    since = ElasticEvent.objects.order_by("-id").values_list("id", flat=True).first()
+    record_event("reclaim", job=borrower, actor="planner", reason={"rule": "harvest.reclaim", "text": "window", "inputs": {}})
+    record_event("place", job=other, actor="planner", reason={"rule": "queue", "text": "not a borrower", "inputs": {}})
+    director = demo.Director("127.0.0.1", 0, torch_nodes=0, fail_after_s=0, out=io.StringIO())
+    monkeypatch.setattr(demo, "WATCH_TIMEOUT_S", 1.5)
+
+    director._resumes(reservation.name, since)  # nothing has completed: waited for, then said
+    said = director.out.getvalue()
+    assert f"When {demo.STORY_CRITICAL_JOB} finishes" in said and f"{demo.STORY_CRITICAL_JOB} is still running" in said
+    assert "no borrower has been placed again yet" in said  # the other job's placement is not a resume
+
+    record_event("complete", job=reservation.job, actor="planner", reason={"rule": "done", "text": "done", "inputs": {}})
+    record_event("place", job=borrower, actor="planner", reason={"rule": "queue", "text": "resumed", "inputs": {}})
+    director.out = io.StringIO()
+    director._resumes(reservation.name, since)
+    said = director.out.getvalue()
+    assert f"{demo.STORY_CRITICAL_JOB} has finished, so its GPUs are free again" in said
+    assert "still running" not in said and "no borrower" not in said
+    assert said.count("  -> ") == 2 and "-> resumed" in said and "not a borrower" not in said
+
+
 def test_an_eager_task_in_embedded_mode_logs_no_broker_warning(db, caplog, django_capture_on_commit_callbacks):
     """Embedded mode runs tasks eagerly, but Celery still takes a producer from its pool, which
     builds a connection to the in-memory broker: that must not warn in the demo's log."""

@@ -101,12 +101,15 @@ class Director:
         """Wait (True when the demo is stopping)."""
         return self._stop.wait(max(0.0, seconds))
 
-    def _watch(self, kind: str, after_id: int, job: str | None = None) -> ElasticEvent | None:
-        """The first audit row of ``kind`` (of ``job``) after ``after_id``, polled until it appears."""
+    def _watch(self, kind: str, after_id: int, job: str | set[str] | None = None) -> ElasticEvent | None:
+        """The first audit row of ``kind`` (of ``job``, or of any of a set of jobs) after
+        ``after_id``, polled until it appears."""
         deadline = time.monotonic() + WATCH_TIMEOUT_S
         while not self._pause(1.0):
             rows = ElasticEvent.objects.filter(kind=kind, id__gt=after_id)
-            row = (rows.filter(job_name=job) if job else rows).order_by("id").first()
+            if job:
+                rows = rows.filter(job_name=job) if isinstance(job, str) else rows.filter(job_name__in=job)
+            row = rows.order_by("id").first()
             close_old_connections()
             if row is not None or time.monotonic() > deadline:
                 return row
@@ -208,7 +211,7 @@ class Director:
             announce_in = (opens - timezone.now()).total_seconds() - RECLAIM_ANNOUNCE_S
             if self._pause(max(announce_in, STEP_GAP_S - (time.monotonic() - stepped))):
                 return
-            mark = self._last_id()
+            mark = reclaim_mark = self._last_id()
             at = time.strftime("%H:%M:%S", time.localtime(opens.timestamp()))
             self.step(2, "a graceful reclaim", f"{name}'s window opens at {at}. About half a minute before, the "
                       "planner takes its GPUs back: each borrower saves a checkpoint first (state checkpointing), "
@@ -254,12 +257,27 @@ class Director:
         self._spawn(f"agent-{victim}", self._agent_argv(victim, token, gpus, simulated=True))
         if window is None or self._pause(STEP_GAP_S):
             return
-        mark = self._last_id()
-        self.step(4, "the borrowers resume", "When the critical job finishes, its GPUs are free again and the "
-                  "best-effort jobs it preempted are placed again, resuming from exactly the step they saved "
-                  "(their job pages: the checkpoints table and the event log).")
-        self._report(self._watch(EventKind.COMPLETE, mark), "the critical job is still running")
-        self._report(self._watch(EventKind.PLACE, mark), "no borrower has been placed again yet")
+        self._resumes(window[0], reclaim_mark)
+
+    def _resumes(self, reservation: str, since: int) -> None:
+        """Step 4: the reserved job completes and the borrowers reclaimed for it are placed again.
+        Both are watched from the reclaim's mark (``since``), not from this step's: a short
+        critical job may have finished while the node failure was played, and that is said."""
+        critical = Reservation.objects.filter(name=reservation).values_list("job__name", flat=True).first() or ""
+        done = ElasticEvent.objects.filter(kind=EventKind.COMPLETE, id__gt=since, job_name=critical).first()
+        close_old_connections()
+        resuming = ("the best-effort jobs it preempted are placed again, resuming from exactly the step they saved "
+                    "(their job pages: the checkpoints table and the event log).")
+        if done is not None:
+            self.step(4, "the borrowers resume", f"{critical} has finished, so its GPUs are free again: {resuming}")
+        else:
+            self.step(4, "the borrowers resume", f"When {critical} finishes, its GPUs are free again and {resuming}")
+            done = self._watch(EventKind.COMPLETE, since, critical)
+        self._report(done, f"{critical} is still running")
+        borrowers = set(ElasticEvent.objects.filter(kind=EventKind.RECLAIM, id__gt=since).values_list("job_name", flat=True))
+        close_old_connections()
+        placed = self._watch(EventKind.PLACE, since, borrowers or None)
+        self._report(placed, "no borrower has been placed again yet")
 
     def _pick_victim(self, candidates: set[str]) -> tuple[str, str] | None:
         """The simulated node running the most important work, and that job: a regular job if any
