@@ -136,12 +136,23 @@ class AgentConsumer(AsyncWebsocketConsumer):
             if isinstance(frame.get("seq"), int):
                 await self.send_frame({"type": protocol.STEPS_ACK, "seq": frame["seq"]})
 
-    async def disconnect(self, code: int) -> None:
+    async def __call__(self, scope, receive, send) -> None:
+        """A server that shuts down (daphne on SIGTERM or Ctrl-C) cancels each consumer without a
+        ``disconnect``: the drains end with it, rather than being destroyed pending with the loop."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stop_drains()
+
+    async def _stop_drains(self) -> None:
         for task in (self.steps_task, self.logs_task):
-            if task is not None:
+            if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def disconnect(self, code: int) -> None:
+        await self._stop_drains()
         if self.group is not None:
             websocket_closed("agent")
             await self.channel_layer.group_discard(self.group, self.channel_name)

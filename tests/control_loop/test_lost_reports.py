@@ -7,6 +7,7 @@ stored, so one lost on the way is sent again, and stored once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -164,6 +165,42 @@ def test_a_steps_frame_is_acknowledged_only_once_stored_and_one_sent_again_is_st
     stored = sorted(StepRecord.objects.filter(job=job).values_list("step", flat=True))
     assert stored == [1, 2, 3]  # frame 2 stored when it came again; frame 1's second copy not again
     assert Job.objects.get(pk=job.pk).committed_steps == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_server_shutting_down_ends_the_consumers_drains_with_it(boss, monkeypatch):
+    """daphne stops by cancelling each application instance, with no ``disconnect``: the step and
+    log drains must end with their consumer, not be left pending when the loop closes (logged as
+    "Task was destroyed but it is pending!" at every demo's Ctrl-C)."""
+    import asyncio
+
+    from django.db import connections
+
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
+    job, node = _running(boss)
+    token = node.issue_token()
+    node.save(update_fields=["agent_token_hash"])
+    headers = [(b"authorization", f"Bearer {token}".encode())]
+    now = timezone.now().timestamp()
+
+    def drains() -> list[asyncio.Task]:
+        return [task for task in asyncio.all_tasks() if "_drain_" in repr(task.get_coro())]
+
+    async def scenario() -> tuple[int, list[asyncio.Task]]:
+        communicator = WebsocketCommunicator(AgentConsumer.as_asgi(), protocol.AGENT_PATH, headers=headers)
+        assert (await communicator.connect())[0]
+        assert (await communicator.receive_json_from(timeout=2))["type"] == protocol.WELCOME
+        await communicator.send_json_to({"type": "steps", "job": job.name, "boot": "b1", "seq": 1, "sent_at": now,
+                                         "records": [{"step": 1, "step_s": 1.0, "at": now - 5}]})
+        assert await communicator.receive_json_from(timeout=2) == {"type": "steps_ack", "seq": 1}
+        running = len(drains())
+        communicator.future.cancel()  # what daphne's kill_all_applications does
+        with contextlib.suppress(asyncio.CancelledError):
+            await communicator.future
+        return running, [task for task in drains() if not task.done()]
+
+    running, left = async_to_sync(scenario)()
+    assert running == 1 and left == []
 
 
 @pytest.mark.django_db
