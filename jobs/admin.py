@@ -26,6 +26,7 @@ from jobs.forms import EnvField
 from jobs.models import (
     Allocation,
     AllocationSpan,
+    ApiToken,
     Command,
     ElasticEvent,
     IllegalTransition,
@@ -275,6 +276,24 @@ class JobAdmin(ActionAdmin):
     @admin.action(description="Cancel the selected jobs")
     def cancel(self, request, queryset):
         _run_action(self, request, queryset, actions.cancel_job, "Cancelled")
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(ReadOnlyAdmin):
+    """Who holds which API token, by its prefix (the token itself is never stored), when each was
+    last used, and a bulk action that revokes the selected ones through the audited
+    ``revoke_api_token`` (``manage.py revoke_api_token`` and ``DELETE /api/token/`` do the same).
+    Tokens are issued by ``manage.py issue_api_token`` or ``POST /api/token/``, never added here."""
+
+    list_display = ("user", "prefix", "label", "created_at", "last_used_at", "revoked_at")
+    list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
+    search_fields = ("user__username", "prefix", "label")
+    list_select_related = ("user",)
+    actions = ["revoke"]
+
+    @admin.action(description="Revoke the selected API tokens")
+    def revoke(self, request, queryset):
+        _run_action(self, request, queryset, lambda row, user: actions.revoke_api_token(user, row), "Revoked")
 
 
 @admin.register(Reservation)

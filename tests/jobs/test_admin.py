@@ -69,6 +69,7 @@ def cluster(make_nodes, make_job, operator, other_researcher):
     actions.create_reservation(operator, name="critical-window", job=critical, gpus=2, start_at=timezone.now())
     team = actions.create_team(operator, name="vision", quota_gpus=4)
     actions.add_team_member(team, operator, other_researcher)
+    actions.issue_api_token(operator, other_researcher, label="laptop")
     actions.set_planner_control(operator, paused=True)
     actions.run_planner_pass("test")  # a run that applies nothing: the planner is paused
     ingest_gpu_batch(nodes[0], gpu_batch(samples=16, start_s=time.time() - 300))
@@ -237,6 +238,34 @@ def test_every_admin_page_is_read_only_or_saves_through_an_audited_action(cluste
         _check_delete(client, model_admin, page.wsgi_request, obj)
         walked.append(model._meta.label)
     assert {"jobs.Node", "jobs.Job", "jobs.ElasticEvent", "telemetry.TelemetrySource"} <= set(walked)
+
+
+def test_the_token_list_revokes_through_the_audited_action(admin_client_logged_in, operator, other_researcher):
+    """An operator revokes API tokens from the admin's list: each selected token stops
+    authenticating, with one audit row naming it by its prefix; one already revoked is said, not
+    revoked twice; the token itself is on no page."""
+    from jobs.models import ApiToken
+
+    kept, _ = actions.issue_api_token(operator, other_researcher, label="ci")
+    first, token = actions.issue_api_token(operator, other_researcher, label="laptop")
+    second, _ = actions.issue_api_token(operator, operator)
+    actions.revoke_api_token(operator, second)
+    mark = _last_id()
+    changelist = _url(ApiToken, "changelist")
+    assert token not in admin_client_logged_in.get(changelist).content.decode()
+    answer = admin_client_logged_in.post(changelist, {"action": "revoke", "_selected_action": [first.pk, second.pk]},
+                                         follow=True)
+    assert answer.status_code == 200
+    said = [str(m) for m in answer.context["messages"]]
+    assert any("was already revoked" in m and second.prefix in m for m in said), said
+    assert "Revoked: 1 done." in said
+    rows = _new_rows(mark)
+    assert [(row.kind, row.actor) for row in rows] == [("token_revoked", "root")]
+    assert f"{first.prefix}…" in rows[0].reason["text"] and token not in json.dumps(rows[0].reason)
+    first.refresh_from_db(), kept.refresh_from_db()
+    assert first.revoked_at is not None and kept.revoked_at is None
+    revoked = admin_client_logged_in.get(changelist, {"revoked_at__isempty": "0"}).content.decode()
+    assert first.prefix in revoked and kept.prefix not in revoked
 
 
 def test_node_edit_is_one_audit_row_with_before_after_and_a_sentence(make_nodes, operator):
