@@ -125,7 +125,8 @@ def test_the_demo_story_plays_once_per_database(db):
     assert "Every node of this database is failed" in no_agents_because()
 
 
-def test_the_stories_last_step_reads_a_completion_that_came_before_it(db, monkeypatch):
+@pytest.mark.django_db(transaction=True)  # the director closes old connections, as its thread must
+def test_the_stories_last_step_reads_a_completion_that_came_before_it(monkeypatch):
     """Step 4 of ``make demo``'s story (the borrowers resume) reads the audit log from the reclaim,
     not from its own start: the story's critical job runs about two minutes and usually completes
     while the node failure is played, so watching from step 4 waited out the watch and said
@@ -133,10 +134,15 @@ def test_the_stories_last_step_reads_a_completion_that_came_before_it(db, monkey
     import io
 
     from django.core.management import call_command
+    from django.db import transaction
 
-    from jobs.audit import record_event
+    from jobs.audit import record_event as record_in_transaction
     from jobs.management.commands import demo
     from jobs.models import ElasticEvent, Job, Reservation
+
+    def record_event(*args, **kwargs) -> None:
+        with transaction.atomic():
+            record_in_transaction(*args, **kwargs)
 
     call_command("seed_demo", "--story")
     reservation = Reservation.objects.get(job__name=demo.STORY_CRITICAL_JOB)
