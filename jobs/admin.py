@@ -47,7 +47,8 @@ def _run_action(modeladmin, request, queryset, action, label: str) -> None:
             action(obj, request.user)
             done += 1
         except (IllegalTransition, PermissionDenied, ValidationError) as exc:
-            modeladmin.message_user(request, f"{obj}: {exc}", level=messages.ERROR)
+            said = " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
+            modeladmin.message_user(request, f"{obj}: {said}", level=messages.ERROR)
     if done:
         modeladmin.message_user(request, f"{label}: {done} done.")
 
@@ -278,6 +279,19 @@ class JobAdmin(ActionAdmin):
         _run_action(self, request, queryset, actions.cancel_job, "Cancelled")
 
 
+class RevokedFilter(admin.SimpleListFilter):
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request, model_admin) -> list[tuple[str, str]]:
+        return [("live", "Live"), ("revoked", "Revoked")]
+
+    def queryset(self, request, queryset):
+        if self.value() in ("live", "revoked"):
+            return queryset.filter(revoked_at__isnull=self.value() == "live")
+        return queryset
+
+
 @admin.register(ApiToken)
 class ApiTokenAdmin(ReadOnlyAdmin):
     """Who holds which API token, by its prefix (the token itself is never stored), when each was
@@ -286,7 +300,7 @@ class ApiTokenAdmin(ReadOnlyAdmin):
     Tokens are issued by ``manage.py issue_api_token`` or ``POST /api/token/``, never added here."""
 
     list_display = ("user", "prefix", "label", "created_at", "last_used_at", "revoked_at")
-    list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
+    list_filter = (RevokedFilter,)
     search_fields = ("user__username", "prefix", "label")
     list_select_related = ("user",)
     actions = ["revoke"]

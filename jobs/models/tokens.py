@@ -28,6 +28,7 @@ class ApiToken(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        verbose_name = "API token"
 
     def __str__(self) -> str:
         return f"{self.user} {self.prefix}…"
