@@ -19,21 +19,22 @@ from django.utils import timezone
 from jobs.actions._common import actor_name
 from jobs.audit import record_event
 from jobs.models import ApiToken
-from jobs.roles import ROLES, require_operator
+from jobs.roles import OPERATOR, ROLES, require_operator
 from jobs.vocab import EventKind
 
 
 @transaction.atomic
 def add_user(actor, *, username: str, role: str, password: str | None = None) -> AbstractBaseUser:
     """A new account with one role (a Django group). Without a password it cannot sign in to the
-    pages until one is set; an API token works either way."""
+    pages until one is set; an API token works either way. An operator is staff: the admin is
+    their browser (its lists by their role's permissions)."""
     if actor is not None:
         require_operator(actor, "add users")
     errors: dict[str, list[str]] = {}
     if role not in ROLES:
         errors["role"] = [f"{role!r} is not a role: one of {', '.join(ROLES)}"]
     user_model = get_user_model()
-    user = user_model(username=username)
+    user = user_model(username=username, is_staff=role == OPERATOR)
     if user_model.objects.filter(username=username).exists():
         errors["username"] = [f"a user named {username!r} already exists"]
     else:

@@ -270,11 +270,11 @@ def test_the_token_list_revokes_through_the_audited_action(admin_client_logged_i
     assert kept.prefix in live and first.prefix not in live
 
 
-def test_operators_reach_the_token_list_and_others_do_not(client, django_user_model):
-    """Migration 0013 gives the operator role ``view_apitoken`` (its group's permissions are the
-    admin's rule); an auditor, staff or not, gets no token list. Granted here on the migration's
-    own model state, as ``migrate`` does (a transactional test may have flushed the groups'
-    permissions)."""
+def test_operators_reach_every_admin_list_and_an_auditor_not_the_tokens(client, django_user_model):
+    """The admin is an operator's browser: with the role's permissions as the migrations leave
+    them (0002, then 0013 for the models added since), a staff operator opens every registered
+    list; an auditor, staff or not, gets no token list. Granted here on each migration's own model
+    state, as ``migrate`` does (a transactional test may have flushed the groups' permissions)."""
     import importlib
 
     from django.contrib.auth.models import Group
@@ -284,16 +284,21 @@ def test_operators_reach_the_token_list_and_others_do_not(client, django_user_mo
     from jobs.models import ApiToken
     from jobs.roles import AUDITOR, OPERATOR
 
-    name = "0013_operators_view_api_tokens"
-    migration = importlib.import_module(f"jobs.migrations.{name}")
-    migration.grant(MigrationExecutor(connection).loader.project_state(("jobs", name)).apps, None)
-    changelist = _url(ApiToken, "changelist")
-    for role, status in ((OPERATOR, 200), (AUDITOR, 403)):
-        user = django_user_model.objects.create_user(f"staff-{role}", password="x-pass-1234", is_staff=True)
-        user.groups.add(Group.objects.get_or_create(name=role)[0])
-        actions.issue_api_token(None, user, label=role)
-        client.force_login(user)
-        assert client.get(changelist).status_code == status, role
+    loader = MigrationExecutor(connection).loader
+    for name in ("0002_roles", "0013_operator_admin_views"):
+        migration = importlib.import_module(f"jobs.migrations.{name}")
+        (migration.create_roles if name == "0002_roles" else migration.grant)(
+            loader.project_state(("jobs", name)).apps, None)
+    users = {}
+    for role in (OPERATOR, AUDITOR):
+        users[role] = django_user_model.objects.create_user(f"staff-{role}", password="x-pass-1234", is_staff=True)
+        users[role].groups.add(Group.objects.get(name=role))
+    client.force_login(users[OPERATOR])
+    for model in admin.site._registry:
+        if model not in OUTSIDE_THE_AUDIT_LOG:
+            assert client.get(_url(model, "changelist")).status_code == 200, model._meta.label
+    client.force_login(users[AUDITOR])
+    assert client.get(_url(ApiToken, "changelist")).status_code == 403
 
 
 def test_node_edit_is_one_audit_row_with_before_after_and_a_sentence(make_nodes, operator):

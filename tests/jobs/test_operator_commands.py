@@ -92,7 +92,7 @@ def test_add_node_defaults_the_gpu_model():
 def test_add_user_without_a_password_has_none_usable_and_is_told_what_to_do():
     out, _ = _run("add_user", "nora", "--role", RESEARCHER)
     user = User.objects.get(username="nora")
-    assert role_names(user) == {RESEARCHER}
+    assert role_names(user) == {RESEARCHER} and not user.is_staff
     assert not user.has_usable_password()
     assert "No password yet" in out and "manage.py issue_api_token nora" in out
     event = ElasticEvent.objects.get()
@@ -107,7 +107,7 @@ def test_add_user_takes_the_password_from_a_file_without_its_newline(tmp_path):
     out, _ = _run("add_user", "oscar", "--role", OPERATOR, "--password-file", str(secret))
     user = User.objects.get(username="oscar")
     assert user.check_password("correct horse battery staple")
-    assert role_names(user) == {OPERATOR}
+    assert role_names(user) == {OPERATOR} and user.is_staff  # the admin is an operator's browser
     assert "No password" not in out
     event = ElasticEvent.objects.get()
     assert event.reason["inputs"]["password"] == "set"
