@@ -501,8 +501,12 @@ class NodeAgent:
             self.members[job] = list(payload["gpus"])
         else:
             self.members.pop(job, None)
-        if kind == "stop" and job in self.jobs:
-            self.jobs[job].signal(signal.SIGKILL)
+        current = self.jobs.get(job)
+        if current is not None and (kind in ("preempt", "resize", "stop")
+                                    or current.payload.get("run_id") != payload.get("run_id")):
+            # Workers this node played when it led the job: the leader elsewhere plays all of it
+            # now, so they must not play on beside it (and keep the job's slot here "running").
+            current.signal(signal.SIGKILL)
         self._done(command_id, True)
 
     def _clean(self, command_id: str, job: str) -> None:
@@ -528,7 +532,9 @@ class NodeAgent:
                 await self._on_exit(job, current)
             current = self.jobs.get(job)
         if current is not None and current.alive():
-            same_run = isinstance(current, SimulatedJob) or current.payload.get("run_id") == payload.get("run_id")
+            old_run, new_run = current.payload.get("run_id"), payload.get("run_id")
+            # A simulated run launched without a run id (an older server) is taken for this one.
+            same_run = old_run == new_run or (isinstance(current, SimulatedJob) and not (old_run and new_run))
             if same_run:
                 self._done(command_id, True, step=current.handle.step, outcome="already running")
                 return

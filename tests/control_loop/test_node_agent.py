@@ -156,6 +156,62 @@ def test_a_launch_right_behind_the_stop_that_killed_the_old_run_starts_the_new_r
     asyncio.run(scenario())
 
 
+def test_a_launch_of_a_new_run_replaces_a_simulated_old_run_still_playing_here(tmp_path):
+    """A resume of run be-2 where the simulated workers of run be-1 still play (no stop reached
+    them: the run's lead had moved to another node) kills them and launches be-2. It was
+    answered "already running", so the job ran nowhere and made no step while the server held it
+    running (bench.faults, seed 64203072)."""
+
+    async def scenario():
+        agent = _agent(tmp_path)
+        supervisor = asyncio.create_task(agent._supervise())
+        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
+                                "payload": _payload(run_id="be-1")})
+        await asyncio.sleep(0.3)
+        old = agent.jobs["be"]
+        await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
+                                "payload": _payload(run_id="be-2")})
+        (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "r"]
+        assert done["ok"] is True and done["outcome"]["outcome"] == "launched", done
+        await asyncio.sleep(0.3)
+        assert not old.alive() and agent.jobs["be"].alive() and agent.jobs["be"].handle.run_id == "be-2"
+        # The same run again is a repeat, not a new launch.
+        await agent.on_command({"type": "command", "id": "r2", "kind": "resume", "job": "be",
+                                "payload": _payload(run_id="be-2")})
+        (again,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "r2"]
+        assert again["outcome"]["outcome"] == "already running"
+        supervisor.cancel()
+        agent.jobs["be"].signal(signal.SIGKILL)
+
+    asyncio.run(scenario())
+
+
+def test_a_simulated_node_that_led_a_run_stops_playing_it_when_another_node_leads_its_resize(tmp_path):
+    """A simulated node led run be-1; its resize names another node leader (which plays all of a
+    simulated job): this node's workers stop at once rather than play on beside the leader's, and
+    the command is done."""
+    reference = {"entrypoint": ["-m", "trainer_agent.reference"], "integration": "omni"}
+    placement = [{"node": "r1", "gpus": [0], "address": "127.0.0.1"}, {"node": "n1", "gpus": [1], "address": "127.0.0.1"}]
+
+    async def scenario():
+        agent = _agent(tmp_path)
+        supervisor = asyncio.create_task(agent._supervise())
+        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
+                                "payload": _payload(run_id="be-1", workload=reference)})
+        await asyncio.sleep(0.3)
+        mine = agent.jobs["be"]
+        await agent.on_command({"type": "command", "id": "z", "kind": "resize", "job": "be",
+                                "payload": _payload(run_id="be-1", leader=False, dp=2, gpus=[1], workload=reference,
+                                                    placement=placement)})
+        (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "z"]
+        assert done["ok"] is True
+        await asyncio.sleep(0.3)
+        assert not mine.alive() and agent.members["be"] == [1]
+        supervisor.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_a_real_node_keeps_simulating_a_job_whose_newest_checkpoint_is_simulated(tmp_path, monkeypatch):
     """A job that ran real (checkpoint 151), then simulated (checkpoint 1059), back on a real
     node: a real trainer would resume 900 steps back, so it stays simulated; with the real
