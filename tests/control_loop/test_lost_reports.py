@@ -51,6 +51,21 @@ def _running(user, name: str = "be") -> tuple[Job, Node]:
     return job, node
 
 
+def _agent_headers(node: Node) -> list[tuple[bytes, bytes]]:
+    """A fresh agent token for ``node``, as the socket's headers."""
+    token = node.issue_token()
+    node.save(update_fields=["agent_token_hash"])
+    return [(b"authorization", f"Bearer {token}".encode())]
+
+
+async def _connected(headers: list[tuple[bytes, bytes]]) -> WebsocketCommunicator:
+    """An agent socket, connected and welcomed."""
+    communicator = WebsocketCommunicator(AgentConsumer.as_asgi(), protocol.AGENT_PATH, headers=headers)
+    assert (await communicator.connect())[0]
+    assert (await communicator.receive_json_from(timeout=2))["type"] == protocol.WELCOME
+    return communicator
+
+
 def _events(job: Job, kind: EventKind) -> int:
     return ElasticEvent.objects.filter(job=job, kind=kind).count()
 
@@ -88,14 +103,10 @@ def test_a_hello_that_lists_an_acknowledged_command_gets_it_again_so_its_done_is
     job, node = _placed(boss)
     start = Command.objects.get(job=job, kind=CommandKind.START)
     actions.record_command_ack(node, str(start.id))  # the ack arrived; the done behind it did not
-    token = node.issue_token()
-    node.save(update_fields=["agent_token_hash"])
-    headers = [(b"authorization", f"Bearer {token}".encode())]
+    headers = _agent_headers(node)
 
     async def scenario() -> list[dict]:
-        communicator = WebsocketCommunicator(AgentConsumer.as_asgi(), protocol.AGENT_PATH, headers=headers)
-        assert (await communicator.connect())[0]
-        assert (await communicator.receive_json_from(timeout=2))["type"] == protocol.WELCOME
+        communicator = await _connected(headers)
         await communicator.send_to(text_data=json.dumps({
             "type": "hello", "protocol": protocol.PROTOCOL_VERSION, "node": "n1",
             "inventory": {"gpus": [{"index": 0, "model": "simulated", "mem_bytes": 1}], "address": "127.0.0.1"},
@@ -129,9 +140,7 @@ def test_a_steps_frame_is_acknowledged_only_once_stored_and_one_sent_again_is_st
     # open on the test database when it is dropped.
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
     job, node = _running(boss)
-    token = node.issue_token()
-    node.save(update_fields=["agent_token_hash"])
-    headers = [(b"authorization", f"Bearer {token}".encode())]
+    headers = _agent_headers(node)
     now = timezone.now().timestamp()
 
     def steps(seq: int, *numbers: int) -> str:
@@ -142,9 +151,7 @@ def test_a_steps_frame_is_acknowledged_only_once_stored_and_one_sent_again_is_st
         raise RuntimeError("the database went away under the frame")
 
     async def scenario() -> list[list[dict]]:
-        communicator = WebsocketCommunicator(AgentConsumer.as_asgi(), protocol.AGENT_PATH, headers=headers)
-        assert (await communicator.connect())[0]
-        assert (await communicator.receive_json_from(timeout=2))["type"] == protocol.WELCOME
+        communicator = await _connected(headers)
         heard = []
         for text, broken in ((steps(1, 1, 2), False), (steps(2, 3), True), (steps(2, 3), False),
                              (steps(1, 1, 2), False)):
@@ -178,18 +185,14 @@ def test_a_server_shutting_down_ends_the_consumers_drains_with_it(boss, monkeypa
 
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
     job, node = _running(boss)
-    token = node.issue_token()
-    node.save(update_fields=["agent_token_hash"])
-    headers = [(b"authorization", f"Bearer {token}".encode())]
+    headers = _agent_headers(node)
     now = timezone.now().timestamp()
 
     def drains() -> list[asyncio.Task]:
         return [task for task in asyncio.all_tasks() if "_drain_" in repr(task.get_coro())]
 
     async def scenario() -> tuple[int, list[asyncio.Task]]:
-        communicator = WebsocketCommunicator(AgentConsumer.as_asgi(), protocol.AGENT_PATH, headers=headers)
-        assert (await communicator.connect())[0]
-        assert (await communicator.receive_json_from(timeout=2))["type"] == protocol.WELCOME
+        communicator = await _connected(headers)
         await communicator.send_json_to({"type": "steps", "job": job.name, "boot": "b1", "seq": 1, "sent_at": now,
                                          "records": [{"step": 1, "step_s": 1.0, "at": now - 5}]})
         assert await communicator.receive_json_from(timeout=2) == {"type": "steps_ack", "seq": 1}

@@ -25,6 +25,12 @@ def _payload(**overrides):
     return payload
 
 
+def _done_of(agent: NodeAgent, command_id: str) -> dict:
+    """The one ``done`` the agent queued for ``command_id``."""
+    (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == command_id]
+    return done
+
+
 def test_a_repeated_command_is_acknowledged_again_but_applied_once(tmp_path):
     async def scenario():
         agent = _agent(tmp_path)
@@ -57,9 +63,9 @@ def test_a_preempt_finishes_the_step_saves_and_reports_the_checkpoint(tmp_path):
             if "be" not in agent.jobs:
                 break
         supervisor.cancel()
-        done = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "p"]
-        assert done and done[0]["ok"] is True
-        step = done[0]["outcome"]["checkpoint_step"]
+        done = _done_of(agent, "p")
+        assert done["ok"] is True
+        step = done["outcome"]["checkpoint_step"]
         assert step >= 4 and step == workers.newest_checkpoint_on_disk(tmp_path / "be")
 
     asyncio.run(scenario())
@@ -146,7 +152,7 @@ def test_a_launch_right_behind_the_stop_that_killed_the_old_run_starts_the_new_r
                                 "payload": {"job": "be", "leader": False, "kill": True}})
         await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
                                 "payload": _payload(run_id="be-2")})
-        (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "r"]
+        done = _done_of(agent, "r")
         assert done["ok"] is True and done["outcome"]["outcome"] == "launched", done
         await asyncio.sleep(0.3)
         assert agent.jobs["be"].alive() and agent.jobs["be"].handle.run_id == "be-2"
@@ -171,14 +177,14 @@ def test_a_launch_of_a_new_run_replaces_a_simulated_old_run_still_playing_here(t
         old = agent.jobs["be"]
         await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
                                 "payload": _payload(run_id="be-2")})
-        (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "r"]
+        done = _done_of(agent, "r")
         assert done["ok"] is True and done["outcome"]["outcome"] == "launched", done
         await asyncio.sleep(0.3)
         assert not old.alive() and agent.jobs["be"].alive() and agent.jobs["be"].handle.run_id == "be-2"
         # The same run again is a repeat, not a new launch.
         await agent.on_command({"type": "command", "id": "r2", "kind": "resume", "job": "be",
                                 "payload": _payload(run_id="be-2")})
-        (again,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "r2"]
+        again = _done_of(agent, "r2")
         assert again["outcome"]["outcome"] == "already running"
         supervisor.cancel()
         agent.jobs["be"].signal(signal.SIGKILL)
@@ -203,7 +209,7 @@ def test_a_simulated_node_that_led_a_run_stops_playing_it_when_another_node_lead
         await agent.on_command({"type": "command", "id": "z", "kind": "resize", "job": "be",
                                 "payload": _payload(run_id="be-1", leader=False, dp=2, gpus=[1], workload=reference,
                                                     placement=placement)})
-        (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "z"]
+        done = _done_of(agent, "z")
         assert done["ok"] is True
         await asyncio.sleep(0.3)
         assert not mine.alive() and agent.members["be"] == [1]
@@ -384,7 +390,7 @@ def test_a_clean_command_removes_the_run_dir_but_never_under_live_ranks(tmp_path
         await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be", "payload": _payload()})
         await agent.on_command({"type": "command", "id": "c2", "kind": "clean", "job": "be",
                                 "payload": {"job": "be", "clean": True}})
-        refused = [f for f in agent.control_out if f["type"] == "done" and f["command"] == "c2"][0]
+        refused = _done_of(agent, "c2")
         assert refused["ok"] is False and "still has live ranks" in refused["outcome"]["error"]
         agent.jobs["be"].signal(signal.SIGKILL)
 
