@@ -279,7 +279,9 @@ class JobAdmin(ActionAdmin):
         _run_action(self, request, queryset, actions.cancel_job, "Cancelled")
 
 
-class RevokedFilter(admin.SimpleListFilter):
+class TokenStateFilter(admin.SimpleListFilter):
+    """API tokens live (authenticating) or revoked."""
+
     title = "state"
     parameter_name = "state"
 
@@ -300,7 +302,7 @@ class ApiTokenAdmin(ReadOnlyAdmin):
     Tokens are issued by ``manage.py issue_api_token`` or ``POST /api/token/``, never added here."""
 
     list_display = ("user", "prefix", "label", "created_at", "last_used_at", "revoked_at")
-    list_filter = (RevokedFilter,)
+    list_filter = (TokenStateFilter,)
     search_fields = ("user__username", "prefix", "label")
     list_select_related = ("user",)
     actions = ["revoke"]
