@@ -251,8 +251,10 @@ def reservation_boundaries(job: Job, since: datetime, until: datetime) -> list[d
 
 def reservation_windows(reservation: Reservation, since: datetime, until: datetime,
                         limit: int = 200) -> list[tuple[datetime, datetime]]:
-    """The reservation's guaranteed windows overlapping ``[since, until)`` (at most ``limit``)."""
+    """The reservation's guaranteed windows overlapping ``[since, until)`` (at most ``limit``),
+    none past its cancellation or the end of the job it is for (``Reservation.over_at``)."""
     windows: list[tuple[datetime, datetime]] = []
+    over = reservation.over_at
     if reservation.is_recurring:
         first = reservation.start_at
         if since > first:
@@ -261,10 +263,10 @@ def reservation_windows(reservation: Reservation, since: datetime, until: dateti
         t: datetime | None = first
     else:
         t = reservation.start_at
-    while t is not None and t < until and len(windows) < limit:
+    while t is not None and t < until and len(windows) < limit and (over is None or t < over):
         end = reservation.window_end(t)
-        if reservation.cancelled_at is not None:
-            end = min(end, reservation.cancelled_at)
+        if over is not None:
+            end = min(end, over)
         if end > since and end > t:
             windows.append((t, min(end, until + timedelta(days=3650))))
         if not reservation.is_recurring:

@@ -310,8 +310,14 @@ def _series_range(job: Job, since: datetime, now: datetime) -> tuple[datetime, d
 @require_GET
 @any_role
 def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    """One job: live timelines with scheduler markers, tokens, checkpoints, log, why pending."""
+    """One job: live timelines with scheduler markers, tokens, checkpoints, log, why pending.
+
+    ``?panels=1`` renders the same page without the charts' series: the page left open fetches
+    it after each of the job's audit rows and swaps in its ``data-panel`` parts (the facts, the
+    steps, ETA or end, the last checkpoint, why it waits, the GPUs it holds...), so they stay
+    the server's words (docs/live-ui.md)."""
     job = _job_for(request, pk)
+    panels_only = request.GET.get("panels") == "1"
     range_key = request.GET.get("range", "6h")
     if range_key not in RANGES:
         range_key = "6h"
@@ -337,7 +343,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
             loan["gpus"] += 1
             if allocation.loan_until and (loan["until"] is None or allocation.loan_until < loan["until"]):
                 loan["until"] = allocation.loan_until
-    chart = {
+    chart = {"job_id": job.pk} if panels_only else {
         "job_id": job.pk,
         "since": since.isoformat(),
         "until": now.isoformat(),

@@ -67,6 +67,22 @@ class Reservation(models.Model):
     def is_recurring(self) -> bool:
         return self.period_s is not None
 
+    @property
+    def job_ended_at(self) -> datetime | None:
+        """For a job's reservation, when that job ended (completed, failed or cancelled); else
+        ``None``. Nothing is held for a job that has ended: the planner's snapshot leaves such a
+        reservation out (docs/planner.md), so its later windows guarantee nothing."""
+        if self.job_id is None or not self.job.is_terminal:
+            return None
+        return self.job.finished_at
+
+    @property
+    def over_at(self) -> datetime | None:
+        """When it stopped guaranteeing anything ahead of its ``end_at``: its cancellation, or
+        the end of the job it is for (``job_ended_at``), whichever came first."""
+        ends = [t for t in (self.cancelled_at, self.job_ended_at) if t is not None]
+        return min(ends) if ends else None
+
     def is_active_at(self, t: datetime) -> bool:
         """Whether the guarantee holds at ``t`` (inside the span and, if recurring, a window)."""
         if self.cancelled_at is not None and t >= self.cancelled_at:

@@ -522,7 +522,7 @@
       const counted = points.filter((p) => p.counted), txs = counted.map((p) => p.t);
       if (counted.length) Plotly.extendTraces("chart-tokens", {x: modalities.map(() => txs), y: modalities.map((m) => counted.map((p) => p.tokens[m] / p.n))}, [0, 1, 2, 3], MAX_POINTS);
       const last = points[points.length - 1];
-      if (last.step !== undefined) $("#job-steps").textContent = last.step;
+      if (last.step !== undefined) showSteps(last.step);
       growRange(xs);
       bump(points.length);
     }
@@ -579,7 +579,48 @@
       if (job.last_checkpoint_step > 0) noteCheckpoint({step: job.last_checkpoint_step, at: job.last_checkpoint_at || null, save_s: null});
       const failure = (e.outcome || {}).failure;
       if (failure && (e.kind === "fail" || e.kind === "restart")) showFailure(failure, job);
+      refreshPanels();
     }));
+    // Heartbeats move a running job's last checkpoint and its measured rhythm (the ETA's step
+    // time) without an audit row: the panels are fetched again every minute until it has ended.
+    setInterval(() => { if (!$("#job-ended")) refreshPanels(); }, 60000);
+  }
+
+  // Between audit rows a running job's progress comes with its step records: the count, the bar
+  // and the ETA at the step time the page was drawn with (its label says which).
+  function showSteps(step) {
+    const stat = $("[data-panel=steps]"), total = Number(stat.dataset.total);
+    $("#job-steps").textContent = step;
+    $("#job-bar").style.width = (total ? (100 * Math.min(step, total)) / total : 0).toFixed(1) + "%";
+    const eta = $("#job-eta");
+    if (eta && eta.dataset.stepS) $(".num", eta).textContent = humanDuration(Math.max(0, total - step) * parseFloat(eta.dataset.stepS));
+  }
+
+  // After each of the job's audit rows, the server's own words for the parts it draws (facts,
+  // steps, ETA or how long it took, last checkpoint, why it waits, the cancel button, the
+  // workload, checkpoints and GPUs held): the page fetched again without its charts
+  // (?panels=1) and each [data-panel] swapped for its new self, so a page left open reads as
+  // a reloaded one. A burst of rows makes one fetch.
+  let panelsDue = null;
+  function refreshPanels() {
+    clearTimeout(panelsDue);
+    panelsDue = setTimeout(async () => {
+      try {
+        const url = new URL(location.href);
+        url.searchParams.set("panels", "1");
+        const response = await fetch(url, {credentials: "same-origin"});
+        if (!response.ok) return;
+        const fresh = new DOMParser().parseFromString(await response.text(), "text/html");
+        $$("[data-panel]").forEach((old) => {
+          const now = $(`[data-panel="${old.dataset.panel}"]`, fresh);
+          if (!now) return;
+          const node = document.importNode(now, true);
+          old.replaceWith(node);
+          upgradeTimes(node);
+          $$("form[data-confirm]", node).forEach(confirmOnSubmit);
+        });
+      } catch (err) { /* the next row fetches again */ }
+    }, 300);
   }
 
   // The failure box (Job.failure, docs/workloads.md), drawn with the page and redrawn when a

@@ -48,3 +48,25 @@ def test_cancelled_reservation_is_never_active_afterwards():
     assert r.is_active_at(T0 + timedelta(minutes=4))
     assert not r.is_active_at(T0 + timedelta(minutes=5))
     assert r.next_window_start(T0 + timedelta(minutes=6)) is None
+
+
+def test_windows_stop_where_the_job_they_are_for_ended():
+    """A job's reservation holds nothing once its job has ended (the planner's snapshot leaves it
+    out), so the Cluster page's timeline draws no window past that: found 2026-12-07 in the demo,
+    where omni-7b had completed and its reservation's windows still ran on to the chart's edge."""
+    from jobs.live_data import reservation_windows
+    from jobs.models import Job, JobState
+
+    job = Job(pk=1, name="crit", state=JobState.RUNNING)
+    r = _res(period_s=1800, active_s=600, job=job)
+    day = (T0, T0 + timedelta(hours=6))
+    assert len(reservation_windows(r, *day)) == 12 and r.over_at is None
+    job.state, job.finished_at = JobState.COMPLETED, T0 + timedelta(hours=1, minutes=5)
+    assert r.job_ended_at == r.over_at == job.finished_at
+    # The windows at 0:00 and 0:30, and the one the job ended in, cut at its end; none after.
+    assert reservation_windows(r, *day) == [(T0, T0 + timedelta(minutes=10)),
+                                           (T0 + timedelta(minutes=30), T0 + timedelta(minutes=40)),
+                                           (T0 + timedelta(hours=1), job.finished_at)]
+    # A cancellation before the end counts first.
+    r.cancelled_at = T0 + timedelta(minutes=35)
+    assert r.over_at == r.cancelled_at and reservation_windows(r, *day)[-1][1] == r.cancelled_at

@@ -617,3 +617,44 @@ def test_a_dashboard_left_open_follows_the_steps_and_the_clusters_counts(open_as
                                         reason={"rule": "place", "text": "Placed.", "inputs": {}}))
     page.locator("#dashboard-counts [data-count=running]", has_text="2").wait_for(timeout=3000)
     assert (count("waiting"), count("gpus_allocated")) == ("0", "6")
+
+
+def test_a_job_page_left_open_follows_the_steps_and_reads_as_reloaded_when_it_ends(open_as, asgi_server, researcher,
+                                                                                  running_job):
+    """The steps card between audit rows (step records: count, bar and ETA), and every part the
+    server draws after one (found 2026-12-07 with a researcher's own script in the demo: the count
+    read 120 of 120 beside a bar at two thirds and "ETA 9 s"; a job that completed with its page
+    open kept its ETA, its Cancel button and its GPUs)."""
+    job, nodes, token = running_job
+    page = open_as(researcher)
+    page.goto(f"{asgi_server}/jobs/{job.pk}/")
+    wait_live(page)
+    eta_before = page.locator("#job-eta .num").inner_text()
+    assert page.locator("[data-panel=actions] button", has_text="Cancel job").count() == 1
+    post_json(f"{asgi_server}/api/telemetry/steps", {"source": "job-page-steps", "seq": 1, "samples": [
+        {"job": job.pk, "rank": r, "step": step, "at": time.time() - 1 + 0.1 * step, "step_s": 2.0}
+        for step in (40, 41) for r in range(2)
+    ]}, nodes[0], token)
+    page.locator("#job-steps", has_text="41").wait_for(timeout=3000)
+    assert page.locator("#job-bar").evaluate("s => s.style.width") == "4.1%"  # 41 of 1,000 steps
+    assert page.locator("#job-eta .num").inner_text() != eta_before
+
+    def complete() -> None:
+        actions.record_worker_exit(Node.objects.get(pk=nodes[0].pk), job.name,
+                                   {"outcome": "completed", "step": 1000, "leader": True})
+
+    in_thread(complete)
+    ended = page.locator("#job-ended")
+    ended.wait_for(timeout=3000)
+    assert "from submission to completed" in ended.inner_text()
+    assert page.locator("#job-eta").count() == 0
+    assert page.locator("#job-state").inner_text() == "Completed"
+    assert page.locator("#job-steps").inner_text() == "1000"
+    assert page.locator("#job-bar").evaluate("s => s.style.width") == "100%"
+    assert page.locator("[data-panel=actions] button").count() == 0
+    assert page.locator("[data-panel=gpus]").inner_text().endswith("None right now.")
+    facts = page.locator("[data-panel=facts]").inner_text()
+    assert "GPUs 0" in facts and "ran on" in facts, facts
+    # The swapped parts are the page's own: times local, the checkpoint card the completion's step.
+    assert page.locator("#last-checkpoint [data-f=step]").inner_text() == "1000"
+    assert page.locator("#job-ended time").get_attribute("title").endswith("UTC")

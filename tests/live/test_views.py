@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from jobs import actions
 from jobs.live_events import compact_nodes, describe_event
-from jobs.models import ElasticEvent, EventKind, Node, PlannerControl
+from jobs.models import ElasticEvent, EventKind, Job, Node, PlannerControl
 
 pytestmark = pytest.mark.django_db
 
@@ -181,6 +181,20 @@ def test_planner_controls_apply_only_what_changed_and_are_audited(operator, audi
     assert control.paused and control.safety_factor == 2.0
     event = ElasticEvent.objects.filter(kind=EventKind.OVERRIDE).last()
     assert set(event.reason["inputs"]["after"]) == {"paused", "safety_factor"}
+
+
+def test_the_console_draws_no_window_of_a_reservation_whose_job_has_ended(operator, cluster):
+    """The reservation's row says its job ended and holds nothing since; its timeline row keeps
+    only the windows up to then (the planner leaves such a reservation out)."""
+    client = client_for(operator)
+    before = client.get(reverse("console"))
+    assert before.context["console_data"]["gantt"][0]["windows"]  # the open window and those ahead
+    actions.cancel_job(cluster["reservation"].job, operator)
+    after = client.get(reverse("console"))
+    (row,) = after.context["console_data"]["gantt"]
+    ended = Job.objects.get(pk=cluster["reservation"].job_id).finished_at
+    assert [w[1] for w in row["windows"]] == [ended.isoformat()]  # the open window, cut at the cancel
+    assert "its job cancelled" in after.content.decode() and "nothing held since" in after.content.decode()
 
 
 def test_reservation_form_shows_the_actions_validation(operator, cluster):
@@ -498,7 +512,7 @@ def test_checkpoint_card_and_table_read_one_source_one_row_per_step(researcher, 
     rows = re.findall(r'<tr data-step="(\d+)"><td>(.*?)</td><td class="num">\d+</td><td class="num">([^<]*)</td>',
                       _job_section(html, "checkpoints"))
     assert [(step, saved) for step, _, saved in rows] == [("60", "—"), ("40", "2.1 s")]
-    card = re.search(r'id="last-checkpoint"><span class="num" data-f="step">(\d+)</span>.*?data-f="at">(.*?)</span>',
+    card = re.search(r'id="last-checkpoint"[^>]*><span class="num" data-f="step">(\d+)</span>.*?data-f="at">(.*?)</span>',
                      html, re.S)
     assert card.group(1) == rows[0][0]
     newest_at = re.search(r'datetime="([^"]+)"', rows[0][1]).group(1)
@@ -551,6 +565,7 @@ def test_a_finished_jobs_page_says_how_long_it_took_instead_of_an_eta(researcher
     it ran from its first start (or that it never started). A live job keeps its ETA."""
     client = client_for(researcher)
     live = make_job(name="live", dp=1)
+    assert "ETA at" in client.get(reverse("job-page", args=[cluster["mine"].pk])).content.decode()  # it runs
     actions.cancel_job(cluster["mine"], researcher)
     actions.cancel_job(cluster["waiting"], researcher)
     ran = client.get(reverse("job-page", args=[cluster["mine"].pk])).content.decode()
@@ -560,7 +575,31 @@ def test_a_finished_jobs_page_says_how_long_it_took_instead_of_an_eta(researcher
         assert "ETA at" not in body
     assert "from its first start" in ran and "it never started" in never
     body = client.get(reverse("job-page", args=[live.pk])).content.decode()
-    assert "ETA at" in body and 'id="job-ended"' not in body
+    # It waits: the time is its run once it starts, not when it ends.
+    assert "run left once it starts, at 1.00 s/step" in body and 'id="job-ended"' not in body
+
+
+def test_a_job_pages_panels_come_without_its_charts_series(researcher, cluster):
+    """``?panels=1``: the page a job page left open fetches after each audit row, to swap in its
+    ``data-panel`` parts: all of them, with no series for the charts (those follow the socket),
+    in fewer queries than the whole page."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    client = client_for(researcher)
+    url = reverse("job-page", args=[cluster["mine"].pk])
+    client.get(url)  # the session's first request warms what any request reads once
+    with CaptureQueriesContext(connection) as whole_queries:
+        whole = client.get(url).content.decode()
+    with CaptureQueriesContext(connection) as panel_queries:
+        panels = client.get(url + "?panels=1").content.decode()
+    assert len(panel_queries) < len(whole_queries)
+    names = re.findall(r'data-panel="([a-z]+)"', whole)
+    assert sorted(names) == sorted(re.findall(r'data-panel="([a-z]+)"', panels))
+    assert {"facts", "actions", "waiting", "steps", "when", "checkpoint", "workload", "checkpoints", "gpus"} <= set(names)
+    chart = json.loads(re.search(r'<script id="chart-data" type="application/json">(.*?)</script>', panels).group(1))
+    assert chart == {"job_id": cluster["mine"].pk}
+    assert '"series"' in re.search(r'<script id="chart-data" type="application/json">(.*?)</script>', whole).group(1)
 
 
 def test_a_missing_page_is_the_sites_own_404_with_a_way_back(researcher):
