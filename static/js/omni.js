@@ -277,7 +277,7 @@
     $("[data-field=layout]", row).textContent = job.dp + " × " + job.accum_steps;
     // The words of a reloaded row (jobs.live_data.waiting_note): "Waiting since 07:21. <why>".
     const waiting = job.waiting;
-    setProgress(row, job.committed_steps, waiting && waiting.cannot_fit);
+    setProgress(row, job.committed_steps, waiting && waiting.cannot_fit, Boolean(waiting));
     if (waiting) {
       const lead = el("span", {class: "muted"});
       lead.append(waiting.lead + " ", timeEl(waiting.since, waiting.style), waiting.tail + ".");
@@ -287,8 +287,9 @@
     }
     flash(row);
   }
-  // A row's steps, bar and ETA (remaining steps x the row's measured step time) at ``steps``.
-  function setProgress(row, steps, cannotFit) {
+  // A row's steps, bar and ETA (remaining steps x the row's measured step time) at ``steps``;
+  // for a waiting job that time is its run once it starts, not an ETA.
+  function setProgress(row, steps, cannotFit, waiting) {
     const total = Number(row.dataset.total);
     $("[data-field=steps]", row).textContent = steps;
     const bar = $(".bar", row);
@@ -296,8 +297,9 @@
     $("span", bar).style.width = (total ? (100 * Math.min(steps, total)) / total : 0).toFixed(1) + "%";
     const eta = $("[data-field=eta]", row);
     if (eta && eta.firstChild) {
+      const left = humanDuration(Math.max(0, total - steps) * parseFloat(row.dataset.stepS));
       eta.firstChild.textContent = cannotFit ? "ETA — cannot fit this cluster "
-        : "ETA " + humanDuration(Math.max(0, total - steps) * parseFloat(row.dataset.stepS)) + " ";
+        : waiting ? "run " + left + " once it starts " : "ETA " + left + " ";
     }
   }
   function dashboard() {

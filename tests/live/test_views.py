@@ -95,6 +95,9 @@ def test_dashboard_filters_by_state_and_class(operator, cluster):
 def test_dashboard_shows_eta_and_the_last_event_in_words(researcher, cluster):
     body = client_for(researcher).get(reverse("dashboard")).content.decode()
     assert "ETA 16 min" in body  # 1000 steps at the spec's 1.0 s/step
+    # A waiting job's time is its run once it starts, not when it ends.
+    waiting = re.search(rf'data-job-id="{cluster["waiting"].pk}".*?</tr>', body, re.S).group(0)
+    assert "run 16 min once it starts" in waiting and "ETA 16" not in waiting
     assert "Placed mine; on r0s0n0." in body
 
 
