@@ -123,3 +123,15 @@ def test_a_team_still_named_by_a_job_is_kept_and_an_empty_one_is_deleted(operato
     assert response["Location"] == reverse("teams") and said(response) == ["Team empty deleted."]
     assert not Team.objects.filter(pk=empty.pk).exists()
     assert ElasticEvent.objects.filter(kind=EventKind.TEAM_DELETED).count() == 1
+
+
+def test_a_team_bars_head_is_drawn_as_the_live_redraw_draws_it(operator):
+    """The name and its organisation in one span, the count in the other: as omni.js's teamBar
+    redraws it (found 2026-12-07: drawn by the server, "in lab" floated to the middle of the
+    head, and jumped back beside the name at the first live update)."""
+    lab = actions.create_team(operator, name="lab", quota_gpus=8)
+    actions.create_team(operator, name="vision", quota_gpus=4, parent=lab)
+    page = client_for(operator).get(reverse("teams")).content.decode()
+    head = page.split('data-team="vision"', 1)[1].split('<div class="tbar"', 1)[0]
+    assert '<div class="team-bar-head"><span><a href="' in head
+    assert '<strong>vision</strong></a> <span class="faint small">in lab</span></span>' in head
