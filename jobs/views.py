@@ -312,10 +312,10 @@ def _series_range(job: Job, since: datetime, now: datetime) -> tuple[datetime, d
 def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
     """One job: live timelines with scheduler markers, tokens, checkpoints, log, why pending.
 
-    ``?panels=1`` renders the same page without the charts' series: the page left open fetches
-    it after each of the job's audit rows and swaps in its ``data-panel`` parts (the facts, the
-    steps, ETA or end, the last checkpoint, why it waits, the GPUs it holds...), so they stay
-    the server's words (docs/live-ui.md)."""
+    ``?panels=1`` renders the same page without the charts' series or the log's lines: the page
+    left open fetches it after each of the job's audit rows and swaps in its ``data-panel`` parts
+    (the facts, the failure, the steps, ETA or end, the last checkpoint, why it waits, the GPUs
+    it holds...), so they stay the server's words (docs/live-ui.md)."""
     job = _job_for(request, pk)
     panels_only = request.GET.get("panels") == "1"
     range_key = request.GET.get("range", "6h")
@@ -373,7 +373,7 @@ def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "range_key": range_key,
         "ranges": list(RANGES),
         "chart": chart,
-        **_job_logs_context(job),
+        **_job_logs_context(job, with_lines=not panels_only),
         "workload": _workload(job),
         "rhythm": rhythm_summary(job),
     }
@@ -402,11 +402,12 @@ def _workload(job: Job) -> dict[str, Any]:
 LOG_PANEL_LINES = 200
 
 
-def _job_logs_context(job: Job) -> dict[str, Any]:
+def _job_logs_context(job: Job, *, with_lines: bool = True) -> dict[str, Any]:
     """The Logs panel's newest lines (oldest first), the ranks its filter offers, and the
-    failure box: one query, whatever the size of the log."""
+    failure box: one query, whatever the size of the log; none without ``with_lines`` (the panels a
+    page left open fetches again: its log follows the socket)."""
     lines = list(JobLogLine.objects.filter(job=job).order_by("-id")
-                 .only("id", "rank", "stream", "node", "at", "text")[:LOG_PANEL_LINES])[::-1]
+                 .only("id", "rank", "stream", "node", "at", "text")[:LOG_PANEL_LINES])[::-1] if with_lines else []
     # The ranks of the current layout, plus any an earlier, larger layout left in the lines.
     top = max([job.gpus_wanted - 1, *(line.rank for line in lines)])
     return {"log_lines": lines, "log_ranks": list(range(top + 1)), "log_panel_lines": LOG_PANEL_LINES,

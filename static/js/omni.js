@@ -569,19 +569,7 @@
       markers.push({t: e.at, kind: e.kind, label: e.kind_label, text: e.sentence || e.text});
       CHARTS.forEach(redraw);
       $("#job-state").replaceChildren(statePill(job.state, job.state_label));
-      $("#job-dp").textContent = job.dp;
-      $("#job-accum").textContent = job.accum_steps;
-      $("#job-gpus").textContent = job.gpus;
-      $("#job-steps").textContent = job.committed_steps;
-      $("#job-bar").style.width = (100 * job.progress).toFixed(1) + "%";
-      const why = $("#why-pending");
-      if (why && !["pending", "preempted"].includes(job.state)) why.hidden = true;
-      const saved = checkpointOf(e);
-      if (saved) noteCheckpoint(saved);
-      if (job.last_checkpoint_step > 0) noteCheckpoint({step: job.last_checkpoint_step, at: job.last_checkpoint_at || null, save_s: null});
-      const failure = (e.outcome || {}).failure;
-      if (failure && (e.kind === "fail" || e.kind === "restart")) showFailure(failure, job);
-      refreshPanels();
+      refreshPanels();  // everything else the row changed: the server draws it again
     }));
     // Heartbeats move a running job's last checkpoint and its measured rhythm (the ETA's step
     // time) without an audit row: the panels are fetched again every minute until it has ended.
@@ -623,26 +611,6 @@
         });
       } catch (err) { /* the next row fetches again */ }
     }, 300);
-  }
-
-  // The failure box (Job.failure, docs/workloads.md), drawn with the page and redrawn when a
-  // fail or restart row arrives: the same words as jobs.views.failure_note.
-  function showFailure(failure, job) {
-    const who = Number.isInteger(failure.rank) ? "Rank " + failure.rank : "torchrun";
-    const how = failure.signal ? "exited with signal " + failure.signal
-      : (failure.code !== null && failure.code !== undefined) ? "exited with code " + failure.code : "failed";
-    const where = failure.node ? " on " + failure.node : "";
-    const parts = [el("strong", {text: job.state === "failed" ? "Failed" : "Last failure"}),
-      el("span", {"data-f": "sentence", text: who + where + " " + how})];
-    if (failure.at) parts.push(", ", timeEl(new Date(failure.at * 1000).toISOString()));
-    if (failure.run_id) parts.push(" ", el("span", {class: "faint small", text: "· run " + failure.run_id}));
-    if (failure.tail) parts.push(el("pre", {class: "failure-tail", "data-f": "tail", text: failure.tail}));
-    let box = $("#job-failure");
-    if (!box) {
-      box = el("div", {class: "callout bad failure", id: "job-failure"});
-      $(".page-head").after(box);
-    }
-    box.replaceChildren(...parts);
   }
 
   // The job page's Logs panel (docs/logs.md): the newest lines came with the page; job_logs
@@ -725,32 +693,6 @@
       showEmpty();
       scrollDown();
     });
-  }
-
-  // The job page's checkpoints: one row per step, newest first, and the card above is the first
-  // row (the rules of jobs.live_data.checkpoint_of and job_checkpoints).
-  function checkpointOf(e) {
-    const o = e.outcome || {};
-    let step = o.checkpoint_step;
-    if ((step === undefined || step === null) && ["checkpoint", "complete"].includes(e.kind)) step = o.step;
-    if (!Number.isInteger(step) || step <= 0) return null;
-    return {step, at: e.at, save_s: typeof o.save_s === "number" ? o.save_s : null};
-  }
-  const savedIn = (save_s) => (save_s === null ? "—" : save_s.toFixed(1) + " s");
-  function noteCheckpoint(c) {
-    const body = $("#checkpoints");
-    let row = $("tr[data-step='" + c.step + "']", body);
-    if (row) {  // the same checkpoint again (a resume names the step it loaded): one row
-      if (c.save_s !== null && row.cells[2].textContent === "—") row.cells[2].textContent = savedIn(c.save_s);
-      return;
-    }
-    $$(".empty", body).forEach((n) => n.remove());
-    row = el("tr", {"data-step": c.step}, [el("td", {}, [c.at ? timeEl(c.at) : "—"]), el("td", {class: "num", text: String(c.step)}),
-      el("td", {class: "num", text: savedIn(c.save_s)})]);
-    body.insertBefore(row, $$("tr[data-step]", body).find((r) => Number(r.dataset.step) < c.step) || null);
-    const top = $("tr[data-step]", body), at = $("time", top), card = $("#last-checkpoint");
-    $("[data-f=step]", card).textContent = top.dataset.step;
-    $("[data-f=at]", card).replaceChildren(...(at ? [", saved ", timeEl(at.getAttribute("datetime"), "time", "also")] : []));
   }
 
   // -- console ---------------------------------------------------------------------------------
