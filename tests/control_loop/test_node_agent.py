@@ -25,6 +25,11 @@ def _payload(**overrides):
     return payload
 
 
+async def _command(agent: NodeAgent, command_id: str, kind: str, payload: dict, job: str = "be") -> None:
+    """Hand the agent one command frame, as the server's socket does."""
+    await agent.on_command({"type": "command", "id": command_id, "kind": kind, "job": job, "payload": payload})
+
+
 def _done_of(agent: NodeAgent, command_id: str) -> dict:
     """The one ``done`` the agent queued for ``command_id``."""
     (done,) = [f for f in agent.control_out if f["type"] == "done" and f["command"] == command_id]
@@ -51,13 +56,12 @@ def test_a_preempt_finishes_the_step_saves_and_reports_the_checkpoint(tmp_path):
     async def scenario():
         agent = _agent(tmp_path)
         supervisor = asyncio.create_task(agent._supervise())
-        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be", "payload": _payload()})
+        await _command(agent, "s", "start", _payload())
         for _ in range(100):
             await asyncio.sleep(0.05)
             if agent.jobs["be"].handle.step >= 4:
                 break
-        await agent.on_command({"type": "command", "id": "p", "kind": "preempt", "job": "be",
-                                "payload": _payload(), "deadline": None})
+        await _command(agent, "p", "preempt", _payload())  # no deadline: the stop waits for the save
         for _ in range(100):
             await asyncio.sleep(0.05)
             if "be" not in agent.jobs:
@@ -107,8 +111,7 @@ def test_an_exit_the_socket_took_is_sent_again_after_the_next_hello_until_the_jo
     async def scenario():
         agent = _agent(tmp_path)
         supervisor = asyncio.create_task(agent._supervise())
-        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
-                                "payload": _payload(total_steps=4, run_id="be-1")})
+        await _command(agent, "s", "start", _payload(total_steps=4, run_id="be-1"))
         for _ in range(200):
             await asyncio.sleep(0.05)
             if "be" not in agent.jobs:
@@ -128,8 +131,7 @@ def test_an_exit_the_socket_took_is_sent_again_after_the_next_hello_until_the_jo
         assert resent == exits[0]
 
         # A new run of the job here: its old exit is history and is not sent any more.
-        await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
-                                "payload": _payload(total_steps=400, run_id="be-2")})
+        await _command(agent, "r", "resume", _payload(total_steps=400, run_id="be-2"))
         later = _Socket()
         await agent._session(later)
         assert not [f for f in later.sent if f["type"] == "exit"]
@@ -145,13 +147,10 @@ def test_a_launch_right_behind_the_stop_that_killed_the_old_run_starts_the_new_r
     async def scenario():
         agent = _agent(tmp_path)
         supervisor = asyncio.create_task(agent._supervise())
-        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
-                                "payload": _payload(run_id="be-1")})
+        await _command(agent, "s", "start", _payload(run_id="be-1"))
         await asyncio.sleep(0.3)
-        await agent.on_command({"type": "command", "id": "k", "kind": "stop", "job": "be",
-                                "payload": {"job": "be", "leader": False, "kill": True}})
-        await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
-                                "payload": _payload(run_id="be-2")})
+        await _command(agent, "k", "stop", {"job": "be", "leader": False, "kill": True})
+        await _command(agent, "r", "resume", _payload(run_id="be-2"))
         done = _done_of(agent, "r")
         assert done["ok"] is True and done["outcome"]["outcome"] == "launched", done
         await asyncio.sleep(0.3)
@@ -171,19 +170,16 @@ def test_a_launch_of_a_new_run_replaces_a_simulated_old_run_still_playing_here(t
     async def scenario():
         agent = _agent(tmp_path)
         supervisor = asyncio.create_task(agent._supervise())
-        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
-                                "payload": _payload(run_id="be-1")})
+        await _command(agent, "s", "start", _payload(run_id="be-1"))
         await asyncio.sleep(0.3)
         old = agent.jobs["be"]
-        await agent.on_command({"type": "command", "id": "r", "kind": "resume", "job": "be",
-                                "payload": _payload(run_id="be-2")})
+        await _command(agent, "r", "resume", _payload(run_id="be-2"))
         done = _done_of(agent, "r")
         assert done["ok"] is True and done["outcome"]["outcome"] == "launched", done
         await asyncio.sleep(0.3)
         assert not old.alive() and agent.jobs["be"].alive() and agent.jobs["be"].handle.run_id == "be-2"
         # The same run again is a repeat, not a new launch.
-        await agent.on_command({"type": "command", "id": "r2", "kind": "resume", "job": "be",
-                                "payload": _payload(run_id="be-2")})
+        await _command(agent, "r2", "resume", _payload(run_id="be-2"))
         again = _done_of(agent, "r2")
         assert again["outcome"]["outcome"] == "already running"
         supervisor.cancel()
@@ -202,13 +198,11 @@ def test_a_simulated_node_that_led_a_run_stops_playing_it_when_another_node_lead
     async def scenario():
         agent = _agent(tmp_path)
         supervisor = asyncio.create_task(agent._supervise())
-        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be",
-                                "payload": _payload(run_id="be-1", workload=reference)})
+        await _command(agent, "s", "start", _payload(run_id="be-1", workload=reference))
         await asyncio.sleep(0.3)
         mine = agent.jobs["be"]
-        await agent.on_command({"type": "command", "id": "z", "kind": "resize", "job": "be",
-                                "payload": _payload(run_id="be-1", leader=False, dp=2, gpus=[1], workload=reference,
-                                                    placement=placement)})
+        await _command(agent, "z", "resize", _payload(run_id="be-1", leader=False, dp=2, gpus=[1], workload=reference,
+                                                      placement=placement))
         done = _done_of(agent, "z")
         assert done["ok"] is True
         await asyncio.sleep(0.3)
@@ -380,16 +374,14 @@ def test_a_clean_command_removes_the_run_dir_but_never_under_live_ranks(tmp_path
         run_dir = tmp_path / "old-job" / "checkpoints"
         run_dir.mkdir(parents=True)
         (run_dir / "ckpt.pt").write_bytes(b"x" * 5000)
-        await agent.on_command({"type": "command", "id": "c", "kind": "clean", "job": "old-job",
-                                "payload": {"job": "old-job", "clean": True}})
+        await _command(agent, "c", "clean", {"job": "old-job", "clean": True}, job="old-job")
         done = [f for f in agent.control_out if f["type"] == "done"][-1]
         assert done["ok"] is True and done["outcome"]["removed"] is True
         assert done["outcome"]["bytes_freed"] >= 5000
         assert not (tmp_path / "old-job").exists()
 
-        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be", "payload": _payload()})
-        await agent.on_command({"type": "command", "id": "c2", "kind": "clean", "job": "be",
-                                "payload": {"job": "be", "clean": True}})
+        await _command(agent, "s", "start", _payload())
+        await _command(agent, "c2", "clean", {"job": "be", "clean": True})
         refused = _done_of(agent, "c2")
         assert refused["ok"] is False and "still has live ranks" in refused["outcome"]["error"]
         agent.jobs["be"].signal(signal.SIGKILL)
@@ -410,7 +402,7 @@ def test_a_start_whose_rendezvous_port_is_taken_fails_at_once_so_the_job_recover
         payload = _payload(run_id="be-1", rdzv={"host": "127.0.0.1", "port": port},
                            placement=[{"node": "n1", "gpus": [0], "address": "127.0.0.1"}],
                            workload={"entrypoint": ["x.py"], "integration": "signal"})
-        await agent.on_command({"type": "command", "id": "s", "kind": "start", "job": "be", "payload": payload})
+        await _command(agent, "s", "start", payload)
         done = [f for f in agent.control_out if f["type"] == "done"][0]
         assert done["ok"] is False and f"rendezvous port {port} is in use on n1" in done["outcome"]["error"]
         assert "be" not in agent.jobs  # nothing launched
