@@ -84,8 +84,10 @@ class Reservation(models.Model):
         return min(ends) if ends else None
 
     def is_active_at(self, t: datetime) -> bool:
-        """Whether the guarantee holds at ``t`` (inside the span and, if recurring, a window)."""
-        if self.cancelled_at is not None and t >= self.cancelled_at:
+        """Whether the guarantee holds at ``t`` (inside the span and, if recurring, a window; not
+        after ``over_at``)."""
+        over = self.over_at
+        if over is not None and t >= over:
             return False
         if t < self.start_at or (self.end_at is not None and t >= self.end_at):
             return False
@@ -97,8 +99,9 @@ class Reservation(models.Model):
     def next_window_start(self, t: datetime) -> datetime | None:
         """The start of the next window at or after ``t`` (``t`` itself when one begins then);
         ``None`` when no window starts after ``t``. An active window that began before ``t``
-        is not "next": use :meth:`is_active_at` for that."""
-        if self.cancelled_at is not None and t >= self.cancelled_at:
+        is not "next": use :meth:`is_active_at` for that. None after ``over_at`` either."""
+        over = self.over_at
+        if over is not None and t >= over:
             return None
         if t <= self.start_at:
             candidate = self.start_at

@@ -67,6 +67,11 @@ def test_windows_stop_where_the_job_they_are_for_ended():
     assert reservation_windows(r, *day) == [(T0, T0 + timedelta(minutes=10)),
                                            (T0 + timedelta(minutes=30), T0 + timedelta(minutes=40)),
                                            (T0 + timedelta(hours=1), job.finished_at)]
+    # Nor is it active, or a window next, once its job has ended.
+    assert r.is_active_at(T0 + timedelta(hours=1, minutes=4))
+    assert not r.is_active_at(T0 + timedelta(hours=1, minutes=6))
+    assert r.next_window_start(T0 + timedelta(minutes=50)) == T0 + timedelta(hours=1)
+    assert r.next_window_start(T0 + timedelta(hours=1, minutes=6)) is None
     # A cancellation before the end counts first.
     r.cancelled_at = T0 + timedelta(minutes=35)
     assert r.over_at == r.cancelled_at and reservation_windows(r, *day)[-1][1] == r.cancelled_at
