@@ -179,7 +179,7 @@ class SharedViews:
         self._views: OrderedDict[tuple[int, int | None], tuple[dict[str, Any], asyncio.Task]] = OrderedDict()
 
     async def views(self, batch: dict[str, Any], viewer: int | None,
-                    make: Callable[[], Any]) -> list[tuple[str, Any, str]]:
+                    make: Callable[[], Any]) -> list[tuple[str, Any, str, int | None]]:
         key = (id(batch), viewer)
         entry = self._views.get(key)
         if entry is None or entry[0] is not batch or entry[1].get_loop() is not asyncio.get_running_loop():
@@ -225,6 +225,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         self.flush_handle: asyncio.TimerHandle | None = None
         # (event, object) -> the frame's text, in the order of each one's latest arrival.
         self.snapshots: dict[tuple[str, Any], str] = {}
+        # (event, object) -> the ``seq`` of its newest state taken (jobs.live_events.audit_messages).
+        self.seqs: dict[tuple[str, Any], int] = {}
         self.last_snapshots_at = 0.0
         self.snapshots_handle: asyncio.TimerHandle | None = None
         if user is None or not user.is_authenticated:
@@ -322,7 +324,16 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         together once it is read: at once, unless this socket wrote snapshots less than
         ``SNAPSHOT_INTERVAL_S`` ago (then with whatever else comes until the interval ends)."""
         viewer = None if self.others_visibility is roles.Visibility.FULL else self.scope["user"].pk
-        for event, key, text in await _shared_views.views(message, viewer, lambda: self._views(message)):
+        for event, key, text, seq in await _shared_views.views(message, viewer, lambda: self._views(message)):
+            if seq is not None and key is not None:
+                # Built after an earlier audit row than a state of the object already taken: two
+                # senders' batches can cross on the way (a planner worker's and the server's), and
+                # the older state must not land last (docs/live-ui.md, "Out of order").
+                if seq < self.seqs.get(key, -1):
+                    continue
+                if len(self.seqs) > MAX_KNOWN_OWNERS:
+                    self.seqs.clear()
+                self.seqs[key] = seq
             await self._send_live(event, key, text)
         if self.snapshots and self.snapshots_handle is None:
             wait_s = self.last_snapshots_at + self.SNAPSHOT_INTERVAL_S - time.monotonic()
@@ -332,10 +343,10 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 self.snapshots_handle = asyncio.get_running_loop().call_later(
                     wait_s, _run_held, self._flush_snapshots)
 
-    async def _views(self, message: dict[str, Any]) -> list[tuple[str, Any, str]]:
-        """(event, snapshot key, JSON text) per message of the batch this viewer may see: a whole
-        frame for a decision or a snapshot, the payload alone for telemetry (it joins a frame's
-        ``batch``)."""
+    async def _views(self, message: dict[str, Any]) -> list[tuple[str, Any, str, int | None]]:
+        """(event, snapshot key, JSON text, seq) per message of the batch this viewer may see: a
+        whole frame for a decision or a snapshot, the payload alone for telemetry (it joins a
+        frame's ``batch``); ``seq`` is a snapshot's audit row (None: not versioned)."""
         items = [item for item in message.get("messages", ()) if isinstance(item, dict)]
         if self.others_visibility is not roles.Visibility.FULL:
             await self._learn_owners(items)
@@ -344,6 +355,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         for item in items:
             event = item.get("event", "")
             payload = item.get("payload")
+            seq = payload.get("seq") if isinstance(payload, dict) else None  # before a cut drops it
             if self.others_visibility is not roles.Visibility.FULL:
                 payload = payload_for_viewer(
                     event, payload, lambda job_id: roles.owner_visibility(user, self.job_owners.get(job_id))
@@ -351,10 +363,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             if payload is None:
                 continue
             if event in TELEMETRY_EVENTS:
-                views.append((event, None, json.dumps(payload)))
+                views.append((event, None, json.dumps(payload), None))
             else:
                 views.append((event, snapshot_key(event, payload),
-                              json.dumps({"type": "live", "event": event, "payload": payload})))
+                              json.dumps({"type": "live", "event": event, "payload": payload}),
+                              seq if isinstance(seq, int) else None))
         return views
 
     async def _learn_owners(self, items: list[dict[str, Any]]) -> None:

@@ -256,11 +256,16 @@ def audit_messages(event_ids: list[int]) -> list[live.Message]:
         for allocation in Allocation.objects.filter(Q(job_id__in=job_ids) | Q(node_id__in=node_ids)).select_related("job"):
             held.setdefault(allocation.node_id, {})[allocation.gpu_index] = allocation
             gpus.setdefault(allocation.job_id, []).append(allocation.borrowed_from_id is not None)
+    # Every state below was read after the last of these rows committed (appends are serialised,
+    # so ids follow commits): its id versions them, and a socket drops a state older than one it
+    # has already taken (jobs.live_consumers), as batches from two senders may cross.
+    seq = rows[-1].pk
     summaries = {
-        event.job_id: job_summary(event.job, len(gpus.get(event.job_id, [])), sum(gpus.get(event.job_id, [])))
+        event.job_id: {**job_summary(event.job, len(gpus.get(event.job_id, [])), sum(gpus.get(event.job_id, []))),
+                       "seq": seq}
         for event in rows if event.job_id is not None
     }
-    node_payloads = {node.name: node_summary(node, held.get(node.pk, {})) for node in nodes}
+    node_payloads = {node.name: {**node_summary(node, held.get(node.pk, {})), "seq": seq} for node in nodes}
     messages: list[live.Message] = []
     for event in rows:
         payload = event_payload(event)

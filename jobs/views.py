@@ -482,9 +482,13 @@ def console(request: HttpRequest) -> HttpResponse:
     (the reason a job waits only for those seen in full), and GPUs, reservations and loans of
     jobs the viewer may not see name no job. The header, queue and planner line are the live
     ``cluster_summary``, cut for the viewer as the socket cuts it.
+
+    ``?panels=1`` renders the same page without the utilisation history (the walk back through
+    the log): what the page left open fetches to redraw its reservations and loans.
     """
     user = request.user
     now = timezone.now()
+    panels_only = request.GET.get("panels") == "1"
     allocations = Allocation.objects.select_related("job").order_by("gpu_index")
     nodes = list(Node.objects.prefetch_related(Prefetch("allocations", allocations)).order_by("rack", "switch", "name"))
     control = PlannerControl.load()
@@ -516,7 +520,8 @@ def console(request: HttpRequest) -> HttpResponse:
         "control_form": PlannerControlForm(instance=control),
         "console_data": {
             "gantt": gantt, "since": since.isoformat(), "until": until.isoformat(), "now": now.isoformat(),
-            "utilisation": utilisation_series(now - timedelta(hours=24), now, gpus_total=gpus_total),
+            "utilisation": None if panels_only else utilisation_series(now - timedelta(hours=24), now,
+                                                                        gpus_total=gpus_total),
             "gpus_total": gpus_total,
             "node_actions": NODE_ACTIONS_FROM,
         },

@@ -590,11 +590,13 @@
   // steps, ETA or how long it took, last checkpoint, why it waits, the cancel button, the
   // workload, checkpoints and GPUs held): the page fetched again without its charts
   // (?panels=1) and each [data-panel] swapped for its new self, so a page left open reads as
-  // a reloaded one. A burst of rows makes one fetch.
+  // a reloaded one. A burst of rows makes one fetch, a row during the fetch another; ``then``
+  // gets the fetched document (the Cluster page redraws its Gantt from it).
   let panelsDue = null;
-  function refreshPanels() {
-    clearTimeout(panelsDue);
+  function refreshPanels(then) {
+    if (panelsDue !== null) return;
     panelsDue = setTimeout(async () => {
+      panelsDue = null;
       try {
         const url = new URL(location.href);
         url.searchParams.set("panels", "1");
@@ -609,6 +611,7 @@
           upgradeTimes(node);
           $$("form[data-confirm]", node).forEach(confirmOnSubmit);
         });
+        if (then) then(fresh);
       } catch (err) { /* the next row fetches again */ }
     }, 300);
   }
@@ -861,6 +864,19 @@
     function drawCharts() { drawGantt(); drawUtilisation(); }
     drawCharts();
     document.addEventListener("omni:theme", drawCharts);
+    // Reservations and loans as a reload draws them: a job's audit row may start or end a loan,
+    // or end the job a reservation is for (its windows stop there), and windows pass with the
+    // clock. After job rows (one fetch per burst) and every minute, the page is fetched again
+    // without its utilisation history (?panels=1): the table swapped, the Gantt redrawn.
+    function refreshReservations() {
+      refreshPanels((fresh) => {
+        const d = JSON.parse($("#console-data", fresh).textContent);
+        Object.assign(data, {gantt: d.gantt, since: d.since, until: d.until, now: d.now});
+        drawGantt();
+      });
+    }
+    live.on("job", () => refreshReservations());
+    setInterval(refreshReservations, 60000);
   }
 
   // -- teams (docs/teams.md) ---------------------------------------------------------------------

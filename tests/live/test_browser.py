@@ -17,11 +17,12 @@ import os
 import threading
 import time
 import urllib.request
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from django.db import connections, transaction
+from django.utils import timezone
 
 from jobs import actions
 from jobs.audit import record_event
@@ -586,6 +587,32 @@ def test_screenshots_of_every_page_on_a_demo_cluster(open_as, asgi_server, djang
     shot(page, "audit-dark")
     page.goto(f"{asgi_server}/console/")
     shot(page, "console-dark")
+
+
+def test_the_cluster_page_left_open_redraws_a_reservation_whose_job_ends(open_as, asgi_server, operator, make_job,
+                                                                         make_nodes):
+    """Its reservations table and Gantt as a reload draws them (found 2026-12-07 with the demo's
+    Cluster page left open ten minutes: omni-7b had completed, yet the page still drew its windows
+    every 30 minutes for the next 18 hours and three loans that had ended; a reload drew one window
+    and "its job completed: nothing held since")."""
+    make_nodes(racks=1, switches=1, nodes=1, gpus=4)
+    critical = make_job(owner=operator, name="crit-open", priority="critical", dp=2, dp_min=2, dp_max=2)
+    actions.create_reservation(operator, name="crit-open-window", job=critical, gpus=2,
+                               start_at=timezone.now() - timedelta(minutes=5), period_s=3600, active_s=1800)
+    page = open_as(operator)
+    page.goto(f"{asgi_server}/console/")
+    wait_live(page)
+    windows = "document.getElementById('chart-gantt').data[0].x.length"
+    assert page.evaluate(windows) > 10  # the open window and those of the next 18 hours
+    assert "nothing held since" not in page.locator("[data-panel=reservations]").inner_text()
+    in_thread(lambda: actions.cancel_job(Job.objects.get(pk=critical.pk), operator))
+    table = page.locator("[data-panel=reservations]")
+    table.locator("text=nothing held since").wait_for(timeout=5000)
+    assert "its job cancelled" in table.inner_text()
+    page.wait_for_function(f"{windows} === 1", timeout=3000)  # the open window, cut at the cancel
+    assert table.locator("time").first.get_attribute("title").endswith("UTC")  # the swapped cells' times upgraded
+    # The operator's Cancel button in the swapped row still asks before it posts.
+    assert table.locator("form[data-confirm]").count() == 1
 
 
 def test_a_dashboard_left_open_follows_the_steps_and_the_clusters_counts(open_as, asgi_server, researcher, make_job,

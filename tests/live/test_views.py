@@ -200,6 +200,19 @@ def test_the_console_draws_no_window_of_a_reservation_whose_job_has_ended(operat
     assert "its job cancelled" in after.content.decode() and "nothing held since" in after.content.decode()
 
 
+def test_the_consoles_panels_come_without_its_utilisation_history(operator, cluster):
+    """What the Cluster page left open fetches after job rows and every minute: the same page,
+    its reservations table marked as a panel and its Gantt's data, without the walk back through
+    the log for the utilisation chart."""
+    client = client_for(operator)
+    full = client.get(reverse("console"))
+    panels = client.get(reverse("console"), {"panels": "1"})
+    assert full.context["console_data"]["utilisation"] is not None
+    assert panels.context["console_data"]["utilisation"] is None
+    assert panels.context["console_data"]["gantt"] == full.context["console_data"]["gantt"]
+    assert 'data-panel="reservations"' in panels.content.decode() and "crit-window" in panels.content.decode()
+
+
 def test_reservation_form_shows_the_actions_validation(operator, cluster):
     client = client_for(operator)
     critical = cluster["reservation"].job
