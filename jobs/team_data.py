@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Min, Q, Sum
 from django.utils import timezone
 
 from jobs.models import Allocation, AllocationSpan, Node, Team
@@ -110,11 +110,17 @@ def team_standings(teams: Iterable[Team] | None = None, *, gpus_total: int | Non
 
 def team_usage_series(team: Team, since: datetime, now: datetime | None = None) -> dict[str, list]:
     """The GPUs the team (its teams included) held over ``[since, now]``, a step at every change,
-    from the allocation history (``AllocationSpan``): ``t`` (ISO times) and ``gpus``. One query."""
+    from the allocation history (``AllocationSpan``): ``t`` (ISO times) and ``gpus``. The series
+    begins no earlier than the oldest of those teams was created or the first GPU their jobs
+    held, whichever came first, so a team made an hour ago is drawn over that hour, not as a day
+    of nothing with its history at the right edge."""
     now = now or timezone.now()
     ids = team_tree(Team.objects.only("id", "parent_id"))[team.pk]
-    spans = (AllocationSpan.objects.filter(job__team__in=ids).overlapping(since, now)
-             .values_list("started_at", "ended_at"))
+    spans = list(AllocationSpan.objects.filter(job__team__in=ids).overlapping(since, now)
+                 .values_list("started_at", "ended_at"))
+    created = Team.objects.filter(pk__in=ids).aggregate(first=Min("created_at"))["first"]
+    if created is not None:
+        since = min(max(since, min([created] + [started_at for started_at, _ in spans])), now)
     changes: dict[datetime, int] = {}
     held_at_start = 0
     for started_at, ended_at in spans:
@@ -164,8 +170,11 @@ def team_detail(team: Team, user, now: datetime | None = None) -> dict[str, Any]
                   "pending_reason": job.pending_reason}
         seen = roles.job_visibility(user, job)
         job_rows.append({**record, "visibility": "full"} if seen is roles.Visibility.FULL else roles.summarise(record))
+    # Live: not cancelled, not past its end, and not for a job that has ended (it holds nothing
+    # since: Reservation.over_at).
     reservations = (Reservation.objects.filter(Q(team=team) | Q(job__team=team), cancelled_at__isnull=True)
-                    .filter(Q(end_at__isnull=True) | Q(end_at__gt=now)).select_related("job", "team")
+                    .filter(Q(end_at__isnull=True) | Q(end_at__gt=now))
+                    .exclude(job__state__in=TERMINAL_JOB_STATES).select_related("job", "team")
                     .order_by("start_at", "id"))
     reservation_rows = [{
         "id": r.pk, "name": r.name, "team": r.team.name if r.team_id else None,

@@ -667,6 +667,7 @@ def team_page(request: HttpRequest, pk: int) -> HttpResponse:
         range_key = "24h"
     now = timezone.now()
     detail = team_detail(team, request.user, now)
+    usage = team_usage_series(team, now - RANGES[range_key], now)
     context = {
         **_page_context(request, "teams"),
         "team": team,
@@ -675,8 +676,7 @@ def team_page(request: HttpRequest, pk: int) -> HttpResponse:
         "range_key": range_key,
         "ranges": list(RANGES),
         "team_data": {
-            "id": team.pk, "name": team.name, "since": (now - RANGES[range_key]).isoformat(), "now": now.isoformat(),
-            "usage": team_usage_series(team, now - RANGES[range_key], now),
+            "id": team.pk, "name": team.name, "since": usage["t"][0], "now": now.isoformat(), "usage": usage,
             "quota_gpus": team.quota_gpus, "borrow_limit_gpus": team.borrow_limit_gpus,
             # Operators' remove buttons, redrawn with each members refresh (omni.js teamPage).
             "members_url": reverse("team-page-members", args=[team.pk]) if roles.is_operator(request.user) else None,

@@ -268,6 +268,22 @@ def test_anyone_reads_teams_with_their_standing(researcher, auditor, operator, o
     assert [(t["name"], t["default"]) for t in mine] == [("vision", True)]
 
 
+def test_a_teams_detail_leaves_out_a_reservation_whose_job_has_ended(operator, researcher, org, make_job):
+    """Live reservations only: a job's reservation stops holding anything when the job ends
+    (Reservation.over_at; found on the demo's team page, which still listed omni-7b's window "10 min
+    of every 30 min" after omni-7b had completed). The team's own reservation stays."""
+    actions.add_team_member(org["vision"], operator, researcher)
+    critical = make_job(owner=operator, name="crit-v", priority="critical", team=org["vision"])
+    now = timezone.now()
+    actions.create_reservation(operator, name="crit-v-window", job=critical, gpus=2, start_at=now,
+                               period_s=3600, active_s=600)
+    actions.create_reservation(operator, name="vision-pool", team=org["vision"], gpus=2, start_at=now)
+    names = lambda: [r["name"] for r in api_client(researcher).get(f"/api/teams/{org['vision'].pk}/").json()["reservations"]]  # noqa: E731
+    assert names() == ["crit-v-window", "vision-pool"]
+    actions.cancel_job(critical, operator)
+    assert names() == ["vision-pool"]
+
+
 def test_the_team_list_takes_the_same_queries_for_3_teams_as_for_30(operator, django_assert_num_queries,
                                                                      django_user_model):
     counts = []
@@ -416,3 +432,31 @@ def test_gpus_another_teams_reservation_lends_count_against_no_quota(operator, r
     assert rows["vision"]["words"] == "2 of 8 guaranteed GPUs; may borrow up to 4"
     assert (rows["lab"]["gpus_held"], rows["lab"]["gpus_on_loan"]) == (2, 4)
     assert rows["speech"]["gpus_held"] == 0
+
+
+def test_a_new_teams_usage_series_begins_when_it_was_made_or_first_held_a_gpu(org, operator, researcher, make_job,
+                                                                              make_nodes):
+    """A team's page draws its history over the range asked for, but not from before the team (or
+    any team inside it) existed: a team made an hour ago is drawn over that hour, not as a day of
+    zeros with its history squeezed against the right edge. An allocation older than the team's
+    record (a team re-parented under a newer one) still starts the series where it began."""
+    from jobs.team_data import team_usage_series
+
+    node = make_nodes(racks=1, switches=1, nodes=1, gpus=8)[0]
+    actions.add_team_member(org["vision"], operator, researcher)
+    now = timezone.now()
+    Team.objects.filter(pk__in=[org["lab"].pk, org["vision"].pk, org["speech"].pk]).update(created_at=now - HOUR)
+    day_ago = now - 24 * HOUR
+    series = team_usage_series(org["lab"], day_ago, now)
+    assert series["t"][0] == (now - HOUR).isoformat() and series["gpus"] == [0, 0]
+    # A child made earlier than its parent (re-parented later) starts its parent's series.
+    Team.objects.filter(pk=org["speech"].pk).update(created_at=now - 5 * HOUR)
+    assert team_usage_series(org["lab"], day_ago, now)["t"][0] == (now - 5 * HOUR).isoformat()
+    # GPUs held before any of the teams' records: the series starts where they were first held.
+    job = make_job(owner=researcher, name="older", dp=2, dp_min=2, dp_max=2, team=org["vision"])
+    Allocation.objects.bulk_create([Allocation(job=job, node=node, gpu_index=i, since=now - 8 * HOUR) for i in (0, 1)])
+    Allocation.objects.filter(job=job).release(at=now - 7 * HOUR)
+    series = team_usage_series(org["lab"], day_ago, now)
+    assert series["t"][0] == (now - 8 * HOUR).isoformat() and series["gpus"] == [2, 0, 0]
+    # A range shorter than the team's life is the range, as before.
+    assert team_usage_series(org["lab"], now - 2 * HOUR, now)["t"][0] == (now - 2 * HOUR).isoformat()
