@@ -977,7 +977,29 @@
   }
   // The hash-chain banner: the server checks each transaction's new rows against their hashes
   // and the row before them (jobs.live_events.chain_check); rows that link to the last one this
-  // page verified extend it, in the banner's words (templates/jobs/audit.html).
+  // page verified extend it, in the banner's words (templates/jobs/audit.html). Two senders'
+  // messages can cross (docs/live-ui.md, "Out of order"): a check that follows rows this page
+  // has not had yet waits for theirs, and only a gap still open after 10 s says so.
+  const chainAhead = new Map();  // after_id -> a check that came before the one it follows
+  let chainGapDue = null;
+  function onChain(c) {
+    const banner = $("#chain-status");
+    if (!banner) return;
+    if (!c.bad && banner.dataset.state === "ok" && c.after_id > Number(banner.dataset.lastId)) {
+      chainAhead.set(c.after_id, c);
+      clearTimeout(chainGapDue);
+      chainGapDue = setTimeout(() => {
+        Array.from(chainAhead.keys()).sort((a, b) => a - b).forEach((id) => updateChain(chainAhead.get(id)));
+        chainAhead.clear();
+      }, 10000);
+      return;
+    }
+    updateChain(c);
+    for (let next; (next = chainAhead.get(Number(banner.dataset.lastId)));) {
+      chainAhead.delete(next.after_id);
+      updateChain(next);
+    }
+  }
   function updateChain(c) {
     const banner = $("#chain-status");
     if (!banner || banner.dataset.state === "bad") return;  // a break stays until it is explained
@@ -1011,7 +1033,7 @@
       row.setAttribute("aria-expanded", String(!detail.hidden));
     });
     const live = new LiveSocket().subscribe("audit");
-    live.on("chain", (payloads) => payloads.forEach(updateChain));
+    live.on("chain", (payloads) => payloads.forEach(onChain));
     let unseen = 0;
     live.on("audit", (payloads) => payloads.forEach((e) => {
       if (!options.live) {
@@ -1056,7 +1078,11 @@
               el("pre", {text: JSON.stringify({reason: e.reason, outcome: e.outcome}, null, 2)})])]),
         ]),
       ])]);
-      table.prepend(row, detail);
+      // Newest first, by id: a row that arrives after a newer one (two senders' messages can
+      // cross) goes below it, where a reload puts it.
+      const below = $$("tr[data-event-id]", table).find((r) => Number(r.dataset.eventId) < e.id);
+      if (below) below.before(row, detail);
+      else table.append(row, detail);
     }));
   }
 

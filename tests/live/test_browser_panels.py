@@ -128,3 +128,47 @@ def test_the_audit_banner_counts_a_new_row(open_as, asgi_server, auditor, make_j
     newest = ElasticEvent.objects.filter(job=job).latest("id").pk
     page.locator("#chain-status", has_text=f"all {before + 1} rows, up to row {newest}").wait_for(timeout=LIVE_S)
     assert "Hash chain verified" in banner.inner_text()
+
+
+def test_the_audit_page_puts_rows_that_arrive_out_of_order_in_order_and_still_verifies(open_as, asgi_server, auditor,
+                                                                                        make_job):
+    """Two senders' messages can cross (found 2026-12-07 on the demo's Audit page left open ten
+    minutes: the banner read "Verified up to row 82 (82 of 94 rows)" while a reload verified all
+    94). Here two transactions' rows are sent newest first: the banner waits for the older check
+    and then verifies both, and the table has them newest first, as a reload does."""
+    from django.db.models.signals import post_save
+
+    from jobs import live
+    from jobs.live_events import _on_event_saved, audit_messages
+
+    UID = "omni-live-audit-broadcast"  # noqa: N806 (jobs.live_events.connect's)
+
+    in_thread(lambda: make_job(name="first-row"))
+    page = open_as(auditor)
+    page.goto(f"{asgi_server}/audit/")
+    wait_live(page)
+    before = ElasticEvent.objects.count()
+
+    def two_rows_sent_newest_first() -> tuple[int, int]:
+        post_save.disconnect(sender=ElasticEvent, dispatch_uid=UID)  # sent below, by hand
+        try:
+            ids = []
+            for n in (1, 2):
+                with transaction.atomic():
+                    ids.append(record_event(EventKind.OVERRIDE, actor="olga", reason={
+                        "rule": "test", "text": f"row {n}", "inputs": {}}).pk)
+        finally:
+            post_save.connect(_on_event_saved, sender=ElasticEvent, dispatch_uid=UID)
+        for pk in reversed(ids):
+            live.send_messages(audit_messages([pk]))
+            assert live.wait_sent()
+        return ids[0], ids[1]
+
+    older, newer = in_thread(two_rows_sent_newest_first)
+    banner = page.locator("#chain-status")
+    banner.locator(f"text=all {before + 2} rows, up to row {newer}").wait_for(timeout=LIVE_S)
+    assert "Hash chain verified" in banner.inner_text()
+    page.locator(f"#audit-table tr[data-event-id='{older}']").wait_for(timeout=LIVE_S)
+    ids = [int(i) for i in page.locator("#audit-table tr[data-event-id]").evaluate_all(
+        "rows => rows.map((r) => r.dataset.eventId)")]
+    assert ids == sorted(ids, reverse=True) and ids[:2] == [newer, older]
