@@ -9,8 +9,9 @@ sent; the rest keep their order) and sent as one ``live.batch`` per group. A rol
 nothing. Outside a transaction they go at once.
 
 Sending never waits on the channel layer: batches are handed to an event loop — the server's
-when the caller runs on it or in one of its worker threads (views, ``database_sync_to_async``),
-else one sender thread per process (Celery workers, management commands) — and a failing layer
+when the caller runs on it or in one of its worker threads (views, ``database_sync_to_async``)
+or in a thread that asked for it (``send_through``: the embedded mode's in-process loop), else
+one sender thread per process (Celery workers, management commands) — and a failing layer
 is logged, never raised. Flushes that queue up while a send is in progress go out together, one
 channel-layer message per group. The database stays the truth: a page that reconnects reloads
 its state.
@@ -104,6 +105,14 @@ def send_built(build: Builder, item: Hashable) -> None:
     not there), so their payloads are the state after the transaction. Synchronous code only.
     """
     _submit_or_keep([_Build(build, item)])
+
+
+def send_through(loop: asyncio.AbstractEventLoop | None) -> None:
+    """Send this thread's batches through ``loop`` from now on (None: as any other thread). The
+    embedded mode's in-process loop sends through the server's: the in-memory channel layer wakes
+    the server's consumers only from there, and batches of one loop keep their order, so a node
+    the heartbeat monitor marks suspect cannot reach a page after the heartbeat that healed it."""
+    _loop_override.loop = loop
 
 
 def wait_sent(timeout_s: float = 5.0) -> bool:

@@ -4,6 +4,7 @@ beside the schedule it runs: it is the project's stand-in for beat, not part of 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -20,9 +21,13 @@ class InProcessLoop:
     """Calls each periodic task every ``interval_s`` until stopped. One thread, so two ticks of
     the planner can never overlap here (production relies on the advisory lock instead)."""
 
-    def __init__(self, tasks: list[PeriodicTask] | None = None, tick_s: float = 0.2):
+    def __init__(self, tasks: list[PeriodicTask] | None = None, tick_s: float = 0.2,
+                 live_loop: asyncio.AbstractEventLoop | None = None):
         self.tasks = list(PERIODIC_TASKS if tasks is None else tasks)
         self.tick_s = tick_s
+        #: The loop the tasks' live updates go through (``jobs.live.send_through``): the ASGI
+        #: server's, when it runs in this process.
+        self.live_loop = live_loop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.runs: dict[str, int] = {task.name: 0 for task in self.tasks}
@@ -39,6 +44,9 @@ class InProcessLoop:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        from jobs import live
+
+        live.send_through(self.live_loop)
         due = {task.name: 0.0 for task in self.tasks}
         while not self._stop.is_set():
             now = time.monotonic()

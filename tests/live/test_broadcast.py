@@ -388,3 +388,45 @@ def test_a_changed_row_shows_in_the_chain_message(db, make_job):
     check = live_events.chain_check(None, [event])
     assert check["bad"] == {"id": event.pk, "problem": "its contents do not match its stored hash"}
     assert check["last_good_id"] is None
+
+
+def test_the_inprocess_loops_updates_go_through_the_servers_loop_in_order():
+    """The embedded mode's in-process loop (heartbeat monitor, planner ticks) sends through the
+    ASGI server's loop, as the server's own threads do (jobs.live.send_through): the in-memory
+    layer wakes the server's consumers only from there, and one loop keeps its batches in order.
+    Without it the monitor's "suspect" went through a loop of its own and reached a page after
+    the heartbeat that healed the node (docs/live-ui.md, "Out of order")."""
+    from omniweb.loop import InProcessLoop
+    from omniweb.scheduled import PeriodicTask, Queue
+
+    server = asyncio.new_event_loop()
+    threading.Thread(target=server.run_forever, name="a-server-loop", daemon=True).start()
+    layer = SlowLayer()
+    layer.gate.set()
+    sent_on: list[asyncio.AbstractEventLoop] = []
+    original = layer.group_send
+
+    async def group_send(group: str, message: dict) -> None:
+        sent_on.append(asyncio.get_running_loop())
+        await original(group, message)
+
+    layer.group_send = group_send
+
+    class Sending(InProcessLoop):
+        def run_once(self, task: PeriodicTask) -> None:
+            live._sender.submit(layer, {"cluster": [{"event": "node", "payload": {"id": self.runs[task.name]}}]})
+            self.runs[task.name] += 1
+
+    loop = Sending([PeriodicTask("test.send", 0.01, Queue.PLANNER, 1.0)], tick_s=0.01, live_loop=server)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 5
+        while loop.runs["test.send"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    assert live.wait_sent()
+    assert len(sent_on) >= 3 and all(used is server for used in sent_on)
+    ids = [i for _, batch in layer.sent for i in batch]
+    assert ids == sorted(ids)
+    server.call_soon_threadsafe(server.stop)

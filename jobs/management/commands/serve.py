@@ -60,6 +60,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, host: str, port: int, no_loop: bool, **options) -> None:
         from daphne.server import Server
+        from twisted.internet import reactor
 
         from omniweb.asgi import application
         from omniweb.loop import InProcessLoop
@@ -68,7 +69,9 @@ class Command(BaseCommand):
         _allow_long_request_heads()
         loop = None
         if settings.OMNI_INPROCESS_LOOP and not no_loop:
-            loop = InProcessLoop()
+            # Its live updates go through the server's loop (jobs.live.send_through): the asyncio
+            # loop daphne runs its reactor on, as daphne itself finds it.
+            loop = InProcessLoop(live_loop=reactor._asyncioEventloop)
             loop.start()
         mode = "embedded (SQLite, in-memory channel layer)" if settings.EMBEDDED else "production"
         self.stdout.write(f"Omni serving on http://{host}:{port}/ in {mode} mode", ending="\n")
