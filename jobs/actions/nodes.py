@@ -267,11 +267,21 @@ def mark_node_failed(node: Node, silence_s: float) -> Node:
     return node
 
 
+# A node is suspect once its heartbeat is a whole interval late. It was 1.5 intervals (half an
+# interval late): on the demo's 2 cores, agents beside two torch workers and a browser, heartbeats
+# came 2.5-3.4 s late (silences of 7.5-8.4 s at a 5 s interval) about every two minutes, each a
+# node_suspect row and a node_repaired row a second later, and an amber node on the Cluster page.
+# Failure detection is unchanged (OMNI_HEARTBEAT_MISSES intervals); a control-plane outage is
+# still told by nodes that have missed half an interval (OUTAGE_SILENCE_INTERVALS).
+SUSPECT_AFTER_INTERVALS = 2.0
+OUTAGE_SILENCE_INTERVALS = 1.5
+
+
 def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tuple[Node, float]]]:
     """Which nodes to mark suspect and which failed, by the silence since their last heartbeat.
 
-    Suspect after 1.5 intervals (one heartbeat missed); failed once ``OMNI_HEARTBEAT_MISSES``
-    intervals have passed, less the monitor's own tick, so detection lands within that many
+    Suspect after ``SUSPECT_AFTER_INTERVALS`` (a heartbeat a whole interval late); failed once
+    ``OMNI_HEARTBEAT_MISSES`` intervals have passed, less the monitor's own tick, so detection lands within that many
     intervals of the last sign of life. Nodes that never sent a heartbeat are not judged.
     """
     interval = settings.OMNI_HEARTBEAT_INTERVAL_S
@@ -287,7 +297,7 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
         silence_s = (now - node.last_heartbeat_at).total_seconds()
         if silence_s >= fail_after:
             failed.append((node, silence_s))
-        elif silence_s >= 1.5 * interval and node.state == NodeState.HEALTHY:
+        elif silence_s >= SUSPECT_AFTER_INTERVALS * interval and node.state == NodeState.HEALTHY:
             suspect.append((node, silence_s))
     share = settings.OMNI_HEARTBEAT_MASS_SILENCE
     if share >= 1.0 or len(watched) < 2:
@@ -296,8 +306,15 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
     # failure delay. Their last heartbeats are spread over an interval, so in an outage they
     # cross the delay one monitor tick after another, and counting only those past it failed
     # the first ones alone (bench.faults: daphne back after 5-6 s against a 6 s delay).
-    silent = [node for node in watched if (now - node.last_heartbeat_at).total_seconds() >= 1.5 * interval]
+    silent = [node for node in watched
+              if (now - node.last_heartbeat_at).total_seconds() >= OUTAGE_SILENCE_INTERVALS * interval]
     together = len(silent) >= max(2, share * len(watched))
+    if together:
+        # An outage: every node that has missed half an interval is suspect, not only those a
+        # whole interval late (one late node is jitter; most of them at once is not).
+        named = {n.pk for n, _ in suspect} | {n.pk for n, _ in failed}
+        suspect += [(n, (now - n.last_heartbeat_at).total_seconds()) for n in silent
+                    if n.state == NodeState.HEALTHY and n.pk not in named]
     if not failed and not together:
         return suspect, failed  # nothing to judge and no outage to remember: the cache is not read
     patience_s = fail_after * settings.OMNI_HEARTBEAT_OUTAGE_PATIENCE
