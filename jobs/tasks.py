@@ -31,8 +31,10 @@ def plan_tick(trigger: str = "beat") -> None:
 
 @shared_task(name="jobs.monitor_heartbeats", ignore_result=True)
 def monitor_heartbeats() -> None:
-    """Mark silent nodes suspect, then failed (their jobs go to recovering)."""
-    suspect, failed = actions.heartbeat_verdicts(timezone.now())
+    """Mark silent nodes suspect, then failed (their jobs go to recovering), by the silence the
+    monitor has watched (``monitor_watching_since``)."""
+    now = timezone.now()
+    suspect, failed = actions.heartbeat_verdicts(now, actions.monitor_watching_since(now))
     for node, silence_s in suspect:
         try:
             actions.mark_node_suspect(node, silence_s)

@@ -277,8 +277,12 @@ SUSPECT_AFTER_INTERVALS = 2.0
 OUTAGE_SILENCE_INTERVALS = 1.5
 
 
-def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tuple[Node, float]]]:
+def heartbeat_verdicts(now: datetime, watched_since: datetime | None = None
+                       ) -> tuple[list[tuple[Node, float]], list[tuple[Node, float]]]:
     """Which nodes to mark suspect and which failed, by the silence since their last heartbeat.
+
+    ``watched_since`` (``monitor_watching_since``): silence before it is not the nodes' to
+    answer for, since nobody was listening: a node last heard before it counts as heard then.
 
     Suspect after ``SUSPECT_AFTER_INTERVALS`` (a heartbeat a whole interval late); failed once
     ``OMNI_HEARTBEAT_MISSES`` intervals have passed, less the monitor's own tick, so detection lands within that many
@@ -293,6 +297,9 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
         state__in=[NodeState.HEALTHY, NodeState.SUSPECT, NodeState.DRAINING, NodeState.CORDONED],
     )
     watched = list(watched)
+    if watched_since is not None:
+        for node in watched:  # in memory only: mark_node_* read the row again
+            node.last_heartbeat_at = max(node.last_heartbeat_at, watched_since)
     for node in watched:
         silence_s = (now - node.last_heartbeat_at).total_seconds()
         if silence_s >= fail_after:
@@ -343,6 +350,38 @@ def heartbeat_verdicts(now: datetime) -> tuple[list[tuple[Node, float]], list[tu
 
 
 OUTAGE_KEY = "heartbeat:outage"
+WATCH_KEY = "heartbeat:watching"
+
+
+def monitor_watching_since(now: datetime) -> datetime | None:
+    """Since when the heartbeat monitor has watched without a gap of more than a failure delay:
+    ``now`` when it starts, or resumes after one (the control plane stopped: a restart, a deploy,
+    the demo run again on its database), else when it last did. A node's silence counts from
+    then at the earliest (``heartbeat_verdicts``): a control plane back after ten minutes found
+    every node silent for ten minutes and failed them all, though their agents were reconnecting
+    that second (found 2026-12-07 running ``make demo`` again: six failed nodes, seven jobs
+    recovering for ever). A node that did die meanwhile fails a failure delay after the monitor
+    is back. Remembered in the shared cache with the outage (every worker's monitor reads it);
+    None when the cache cannot be read (judged as before)."""
+    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
+    gap_s = max(interval, interval * settings.OMNI_HEARTBEAT_MISSES - monitor_tick_s())
+    store = caches["throttle"]
+    try:
+        remembered = store.get(WATCH_KEY)
+    except Exception:
+        control_logger.warning("heartbeat monitor's watch memory unreadable; judging by the last heartbeats")
+        return None
+    since_ts = now.timestamp()
+    if remembered is not None and 0 <= now.timestamp() - remembered[1] <= gap_s:
+        since_ts = min(remembered[0], since_ts)
+    elif remembered is not None:
+        control_logger.warning("heartbeat monitor resumed after %.0f s: silence counts from now",
+                               now.timestamp() - remembered[1])
+    try:
+        store.set(WATCH_KEY, [since_ts, now.timestamp()], timeout=None)
+    except Exception:
+        control_logger.warning("heartbeat monitor's watch memory not written")
+    return datetime.fromtimestamp(since_ts, tz=UTC)
 
 
 def outage_span(together: list[Node], now: datetime, remember_s: float) -> tuple[datetime, datetime] | None:
@@ -372,8 +411,8 @@ def outage_span(together: list[Node], now: datetime, remember_s: float) -> tuple
 
 
 def forget_outage() -> None:
-    """Forget a remembered outage (tests: one test's silence is not the next's)."""
-    caches["throttle"].delete(OUTAGE_KEY)
+    """Forget a remembered outage and watch (tests: one test's silence is not the next's)."""
+    caches["throttle"].delete_many([OUTAGE_KEY, WATCH_KEY])
 
 
 def monitor_tick_s() -> float:

@@ -319,6 +319,43 @@ def test_an_outage_is_one_even_when_the_silent_nodes_cross_the_failure_delay_one
     assert not failed and sorted(n.name for n, _ in suspect) == ["o1", "o2", "o3", "o4"]
 
 
+def test_a_control_plane_back_after_a_long_stop_counts_silence_from_its_return(boss, settings):
+    """Silence the monitor did not watch is not the nodes' (found 2026-12-07 running ``make demo``
+    again on its database ten minutes after stopping it: every node failed at the first tick, as
+    their agents reconnected, and seven jobs waited to recover for ever). A node still silent a
+    failure delay after the monitor is back fails then; one heard meanwhile never does; a monitor
+    that keeps ticking keeps its start."""
+    from jobs import actions
+    from jobs.actions.nodes import monitor_tick_s
+    from jobs.models import Node
+
+    _nodes("b1", "b2", "b3")
+    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
+    fail_after = interval * settings.OMNI_HEARTBEAT_MISSES - monitor_tick_s()
+    last = Node.objects.get(name="b1").last_heartbeat_at
+    back = last + timedelta(minutes=10)  # the control plane was away; no monitor ran meanwhile
+
+    def tick(at):
+        return actions.heartbeat_verdicts(at, actions.monitor_watching_since(at))
+
+    # Judged on the last heartbeats alone (before), all three fail at once.
+    assert len(actions.heartbeat_verdicts(back)[1]) == 3
+    actions.nodes.forget_outage()
+    suspect, failed = tick(back)
+    assert not suspect and not failed
+    Node.objects.filter(name__in=["b1", "b2"]).update(last_heartbeat_at=back + timedelta(seconds=1))
+    at = back
+    while at < back + timedelta(seconds=fail_after + 0.5 * interval):  # ticking as the monitor does
+        at += timedelta(seconds=monitor_tick_s())
+        suspect, failed = tick(at)
+        Node.objects.filter(name__in=["b1", "b2"]).update(last_heartbeat_at=at)
+        if failed:
+            break
+    assert [n.name for n, _ in failed] == ["b3"]
+    assert (at - back).total_seconds() >= fail_after
+    assert actions.monitor_watching_since(at + timedelta(seconds=monitor_tick_s())) == back
+
+
 def test_an_unreadable_outage_memory_judges_by_the_nodes_silent_now(boss, settings, monkeypatch, caplog):
     """Redis away (restarting): the verdict falls back to the nodes silent now, and says so."""
     from django.core.cache import caches
