@@ -905,7 +905,7 @@
   }
   function teamPage(data) {
     // The standing and the chart follow each live cluster_summary (its teams row); the jobs,
-    // members and reservations are re-read from the API every 20 s.
+    // members and reservations are re-read from the API every 20 s and redrawn.
     const u = data.usage;
     function draw() {
       const t = u.t.map(plotTime), end = t[t.length - 1];
@@ -951,6 +951,13 @@
       }) : [el("tr", {}, [el("td", {colspan: "5", class: "muted", text: "No running or waiting jobs."})])]));
       $("#team-members ul").replaceChildren(...(detail.members.length ? detail.members.map(memberItem)
         : [el("li", {class: "muted", text: "No members."})]));
+      // templates/jobs/team_detail.html's rows: a reservation whose job ended leaves the list.
+      $("#team-reservations tbody").replaceChildren(...(detail.reservations.length ? detail.reservations.map((r) => el("tr", {}, [
+        el("td", {}, [el("strong", {text: r.name})].concat(r.active_now ? [" ", el("span", {class: "pill health-healthy", text: "active"})] : [])),
+        el("td", {text: r.team ? "the team's critical jobs" : r.job}),
+        el("td", {class: "num", text: r.gpus + (r.spares ? " +" + r.spares : "")}),
+        el("td", {text: r.period_s ? humanDuration(r.active_s) + " of every " + humanDuration(r.period_s) : "continuous"}),
+      ])) : [el("tr", {}, [el("td", {colspan: "4", class: "muted", text: "No reservations."})])]));
     }
     function memberItem(m) {  // templates/jobs/team_detail.html's row, with an operator's remove button
       const children = [m.user].concat(m.default ? [" ", el("span", {class: "tag", title: "their jobs go here unless they name another team", text: "default team"})] : []);
