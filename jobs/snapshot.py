@@ -275,12 +275,7 @@ def load_snapshot(now: datetime) -> ps.Snapshot:
             ps.Holding(ps.Gpu(alloc.node.name, alloc.gpu_index), alloc.borrowed_from.name if alloc.borrowed_from else None)
         )
     # A team's reservation outlives its jobs; a job's ends with it.
-    reservations = [
-        r
-        for r in Reservation.objects.filter(cancelled_at__isnull=True).select_related("job", "team")
-        .order_by("start_at", "id")
-        if (r.end_at is None or r.end_at > now) and (r.team_id is not None or not r.job.is_terminal)
-    ]
+    reservations = list(Reservation.objects.in_force(now).select_related("job", "team").order_by("start_at", "id"))
     pools = reservation_pools(reservations, nodes)
     # A ``clean`` removes a finished job's run dir: nothing the planner waits for.
     commands = (

@@ -170,12 +170,8 @@ def team_detail(team: Team, user, now: datetime | None = None) -> dict[str, Any]
                   "pending_reason": job.pending_reason}
         seen = roles.job_visibility(user, job)
         job_rows.append({**record, "visibility": "full"} if seen is roles.Visibility.FULL else roles.summarise(record))
-    # Live: not cancelled, not past its end, and not for a job that has ended (it holds nothing
-    # since: Reservation.over_at).
-    reservations = (Reservation.objects.filter(Q(team=team) | Q(job__team=team), cancelled_at__isnull=True)
-                    .filter(Q(end_at__isnull=True) | Q(end_at__gt=now))
-                    .exclude(job__state__in=TERMINAL_JOB_STATES).select_related("job", "team")
-                    .order_by("start_at", "id"))
+    reservations = (Reservation.objects.in_force(now).filter(Q(team=team) | Q(job__team=team))
+                    .select_related("job", "team").order_by("start_at", "id"))
     reservation_rows = [{
         "id": r.pk, "name": r.name, "team": r.team.name if r.team_id else None,
         "job": (roles.job_name_for(user, r.job.name, r.job.owner_id) if r.job_id else None),

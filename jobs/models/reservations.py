@@ -10,6 +10,17 @@ from django.db import models
 from django.db.models import F, Q
 
 
+class ReservationQuerySet(models.QuerySet):
+    def in_force(self, now: datetime) -> ReservationQuerySet:
+        """The reservations that still guarantee something at ``now`` or after: not cancelled,
+        not past their end, and not for a job that has ended (``Reservation.over_at``); a team's
+        outlives its jobs. The planner's snapshot and a team's page read the same set."""
+        from jobs.models.jobs import TERMINAL_JOB_STATES
+
+        return (self.filter(cancelled_at__isnull=True).filter(Q(end_at__isnull=True) | Q(end_at__gt=now))
+                .exclude(job__state__in=TERMINAL_JOB_STATES))
+
+
 class Reservation(models.Model):
     """``gpus`` (+ ``spares``) guaranteed to a critical job, or to a team's critical jobs (whichever
     is running: the planner resolves it, and the reservation outlives any one of them), from
@@ -36,6 +47,8 @@ class Reservation(models.Model):
     )
     created_at = models.DateTimeField(auto_now_add=True)
     cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ReservationQuerySet.as_manager()
 
     class Meta:
         ordering = ["start_at", "name"]
