@@ -48,6 +48,8 @@ MAX_SUBSCRIPTIONS = 256
 MAX_BUFFERED_PAYLOADS = 5000
 # Job owners remembered per socket (owners never change); beyond this the memory starts over.
 MAX_KNOWN_OWNERS = 10_000
+# The newest ``seq`` taken per job and node, per socket; beyond this the memory starts over.
+MAX_KNOWN_SEQS = 10_000
 
 CLOSE_NOT_SIGNED_IN = 4401
 CLOSE_NO_ROLE = 4403
@@ -331,7 +333,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 # the older state must not land last (docs/live-ui.md, "Out of order").
                 if seq < self.seqs.get(key, -1):
                     continue
-                if len(self.seqs) > MAX_KNOWN_OWNERS:
+                if len(self.seqs) > MAX_KNOWN_SEQS:
                     self.seqs.clear()
                 self.seqs[key] = seq
             await self._send_live(event, key, text)

@@ -284,12 +284,11 @@ def heartbeat_verdicts(now: datetime, watched_since: datetime | None = None
     ``watched_since`` (``monitor_watching_since``): silence before it is not the nodes' to
     answer for, since nobody was listening: a node last heard before it counts as heard then.
 
-    Suspect after ``SUSPECT_AFTER_INTERVALS`` (a heartbeat a whole interval late); failed once
-    ``OMNI_HEARTBEAT_MISSES`` intervals have passed, less the monitor's own tick, so detection lands within that many
-    intervals of the last sign of life. Nodes that never sent a heartbeat are not judged.
+    Suspect after ``SUSPECT_AFTER_INTERVALS`` (a heartbeat a whole interval late); failed after
+    ``failure_delay_s``. Nodes that never sent a heartbeat are not judged.
     """
     interval = settings.OMNI_HEARTBEAT_INTERVAL_S
-    fail_after = max(interval, interval * settings.OMNI_HEARTBEAT_MISSES - monitor_tick_s())
+    fail_after = failure_delay_s()
     suspect: list[tuple[Node, float]] = []
     failed: list[tuple[Node, float]] = []
     watched = Node.objects.filter(
@@ -363,8 +362,7 @@ def monitor_watching_since(now: datetime) -> datetime | None:
     recovering for ever). A node that did die meanwhile fails a failure delay after the monitor
     is back. Remembered in the shared cache with the outage (every worker's monitor reads it);
     None when the cache cannot be read (judged as before)."""
-    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
-    gap_s = max(interval, interval * settings.OMNI_HEARTBEAT_MISSES - monitor_tick_s())
+    gap_s = failure_delay_s()
     store = caches["throttle"]
     try:
         remembered = store.get(WATCH_KEY)
@@ -413,6 +411,13 @@ def outage_span(together: list[Node], now: datetime, remember_s: float) -> tuple
 def forget_outage() -> None:
     """Forget a remembered outage and watch (tests: one test's silence is not the next's)."""
     caches["throttle"].delete_many([OUTAGE_KEY, WATCH_KEY])
+
+
+def failure_delay_s() -> float:
+    """The silence after which a node fails: ``OMNI_HEARTBEAT_MISSES`` intervals less the
+    monitor's own tick, so detection lands within that many intervals of the last sign of life."""
+    interval = settings.OMNI_HEARTBEAT_INTERVAL_S
+    return max(interval, interval * settings.OMNI_HEARTBEAT_MISSES - monitor_tick_s())
 
 
 def monitor_tick_s() -> float:
