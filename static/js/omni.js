@@ -590,10 +590,10 @@
   // steps, ETA or how long it took, last checkpoint, why it waits, the cancel button, the
   // workload, checkpoints and GPUs held): the page fetched again without its charts
   // (?panels=1) and each [data-panel] swapped for its new self, so a page left open reads as
-  // a reloaded one. A burst of rows makes one fetch, a row during the fetch another; ``then``
-  // gets the fetched document (the Cluster page redraws its Gantt from it).
+  // a reloaded one. The rows of ``wait_ms`` make one fetch, a row during the fetch another;
+  // ``then`` gets the fetched document (the Cluster page redraws its Gantt from it).
   let panelsDue = null;
-  function refreshPanels(then) {
+  function refreshPanels(then, wait_ms = 300) {
     if (panelsDue !== null) return;
     panelsDue = setTimeout(async () => {
       panelsDue = null;
@@ -613,7 +613,7 @@
         });
         if (then) then(fresh);
       } catch (err) { /* the next row fetches again */ }
-    }, 300);
+    }, wait_ms);
   }
 
   // The job page's Logs panel (docs/logs.md): the newest lines came with the page; job_logs
@@ -866,14 +866,15 @@
     document.addEventListener("omni:theme", drawCharts);
     // Reservations and loans as a reload draws them: a job's audit row may start or end a loan,
     // or end the job a reservation is for (its windows stop there), and windows pass with the
-    // clock. After job rows (one fetch per burst) and every minute, the page is fetched again
-    // without its utilisation history (?panels=1): the table swapped, the Gantt redrawn.
+    // clock. After job rows (every job's, so at most one fetch in 2 s) and every minute, the page
+    // is fetched again without its utilisation history (?panels=1): the table swapped, the Gantt
+    // redrawn.
     function refreshReservations() {
       refreshPanels((fresh) => {
         const d = JSON.parse($("#console-data", fresh).textContent);
         Object.assign(data, {gantt: d.gantt, since: d.since, until: d.until, now: d.now});
         drawGantt();
-      });
+      }, 2000);
     }
     live.on("job", () => refreshReservations());
     setInterval(refreshReservations, 60000);
@@ -1006,6 +1007,7 @@
       chainAhead.delete(next.after_id);
       updateChain(next);
     }
+    if (!chainAhead.size) clearTimeout(chainGapDue);  // the gap closed: nothing to say
   }
   function updateChain(c) {
     const banner = $("#chain-status");
