@@ -35,8 +35,13 @@ class ApiToken(models.Model):
 
     @classmethod
     def issue(cls, user, label: str = "") -> tuple[ApiToken, str]:
-        """A new token for ``user``: the row, and the token itself (never stored)."""
-        token = TOKEN_START + secrets.token_urlsafe(32)
+        """A new token for ``user``: the row, and the token itself (never stored). Its prefix never
+        begins with a dash: an operator types it on a command line (``revoke_api_token PREFIX``),
+        where a leading dash reads as an option (one token in 64 could not be named so)."""
+        secret = secrets.token_urlsafe(32)
+        while secret.startswith("-"):
+            secret = secrets.token_urlsafe(32)
+        token = TOKEN_START + secret
         row = cls.objects.create(user=user, label=label, digest=hash_api_token(token),
                                  prefix=token[len(TOKEN_START):len(TOKEN_START) + PREFIX_CHARS])
         return row, token

@@ -237,6 +237,22 @@ def test_revoke_api_token_by_its_prefix_or_itself_is_audited_and_the_token_dies(
 
 
 @pytest.mark.django_db
+def test_a_tokens_prefix_never_begins_with_a_dash_so_the_command_line_can_name_it(researcher, monkeypatch):
+    """Found when CI drew a token whose prefix was '-gbgG0': ``revoke_api_token -gbgG0`` read it
+    as an option and refused with argparse's "prefix is required"."""
+    import secrets
+
+    from jobs.actions.accounts import issue_api_token
+
+    drawn = iter(["-gbgG0" + "x" * 37, "gbgG0x" + "x" * 37])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(drawn))
+    row, token = issue_api_token(None, researcher)
+    assert row.prefix == "gbgG0x" and token == "omni_gbgG0x" + "x" * 37
+    out, _ = _run("revoke_api_token", row.prefix)
+    assert out.startswith("Revoked API token gbgG0x… of rita")
+
+
+@pytest.mark.django_db
 def test_revoke_api_token_refuses_what_it_cannot_name_exactly(researcher, operator):
     from jobs.actions.accounts import issue_api_token
 
