@@ -137,7 +137,9 @@ def _job_row(job: Job, holdings: tuple[ps.Holding, ...]) -> ps.Job:
         last_checkpoint_s=epoch_s(job.last_checkpoint_at),
         run_started_s=epoch_s(job.started_at) if job.state not in ps.WAITING_PHASES else None,
         last_resize_s=epoch_s(job.last_resized_at),
-        queued_since_s=job.state_changed_at.timestamp() if waiting else None,
+        # Waiting: since its state changed; holding GPUs: when the wait its run followed began
+        # (as the simulator keeps it), which is how the planner knows a promoted run.
+        queued_since_s=(job.state_changed_at if waiting else job.queued_at or job.submitted_at).timestamp(),
         holdings=holdings,
         preemptions=job.preemptions,
         rhythm=rhythm,

@@ -161,6 +161,10 @@ class Job(models.Model):
 
     submitted_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True, help_text="Start of the current continuous run.")
+    queued_at = models.DateTimeField(
+        null=True, blank=True,
+        help_text="When the job last began waiting for GPUs (empty: at its submission); kept while it runs.",
+    )
     first_started_at = models.DateTimeField(null=True, blank=True)
     last_resized_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -262,6 +266,11 @@ class Job(models.Model):
             # It no longer waits: nothing may go on saying why it does.
             self.pending_reason, self.pending_cause, self.pending_since = "", "", None
             changed += ["pending_reason", "pending_cause", "pending_since"]
+        if target in WAITING_JOB_STATES and self.state not in WAITING_JOB_STATES:
+            # A stop or a fault: the wait the next run begins after starts now (the planner
+            # reads it while that run goes on: a promoted best-effort job's minimum run).
+            self.queued_at = now
+            changed.append("queued_at")
         if target in TERMINAL_JOB_STATES:
             self.finished_at = now
             changed.append("finished_at")

@@ -37,8 +37,10 @@ from jobs.planner.queue_walk import walk_by_groups
 from jobs.planner.rhythm import min_loan_window_s, reclaim_lead_time
 from jobs.planner.snapshot import PRIORITY_RANK, WAITING_PHASES, Gpu, Job
 from jobs.planner.starvation import (
+    class_rank,
     effective_rank,
     is_aged,
+    promoted,
     queue_key,
     queue_order_s,
     waited_s,
@@ -71,15 +73,16 @@ TIER_ENTITLED = 0
 TIER_RECOVERING = 1
 TIER_CRITICAL = 2
 TIER_OTHER = 3
+REGULAR, BEST_EFFORT = PRIORITY_RANK["regular"], PRIORITY_RANK["best_effort"]
 # A quiet pass's groups of plain waiters (``_walk_quietly``): (GPUs at the smallest size, queue
 # standing, class, long waiter, tp, pp, the band of the window it would finish in if shorter than
 # ``min_run_s``, else None: ``finish_bucket``; ``harvest.window_taken`` asks that of no one
-# else), and each member as (waiting since, name, its shortest
+# else; the class the queue puts it in, ``starvation.class_rank``), and each member as (waiting since, name, its shortest
 # worthwhile loan at its smallest size (``min_loan_window_s``), whether it can stop within the
 # grace or be stopped unsaved, so may borrow a pool whose need may come at any moment
 # (``harvest.may_borrow_unannounced``), the window it would finish in at its smallest size
 # (``harvest.finish_window_s``), job).
-Group = tuple[int, int, int, bool, int, int, int | None]
+Group = tuple[int, int, int, bool, int, int, int | None, int]
 Waiter = tuple[float, str, float, bool, float, Job]
 # What ``_quiet_group`` reads of a plain waiter itself: (GPUs at its smallest size or None, class
 # rank, regular, waiting since, its member of a group, tp, pp, ``finish_bucket``).
@@ -90,16 +93,18 @@ _PLAIN_WAITERS = KeptById()
 
 
 class _WaiterMemo:
-    """What quiet passes learn of a plain waiter's snapshot as they go: its group once final (its
-    standing and long wait can change no more: both only move one way as time goes on,
-    ``_group_at``) and from when, and whether it can never fit the nodes it was last fitted to
-    (``_fit_problems``, kept while the snapshot's nodes tuple stands)."""
+    """What quiet passes learn of a plain waiter's snapshot as they go: its group once it can
+    change no more until a known time (its standing and long wait can change no more, and its
+    promotion comes then if at all: each only moves one way as time goes on, ``_group_at``,
+    ``_group_final_until``), from when and until when, and whether it can never fit the nodes it
+    was last fitted to (``_fit_problems``, kept while the snapshot's nodes tuple stands)."""
 
-    __slots__ = ("final_group", "final_from", "fitted_to", "unfit")
+    __slots__ = ("final_group", "final_from", "final_until", "fitted_to", "unfit")
 
     def __init__(self) -> None:
         self.final_group: Group | None = None
         self.final_from = INFINITY
+        self.final_until = INFINITY
         self.fitted_to: tuple | None = None
         self.unfit = False
 
@@ -153,6 +158,10 @@ class _QuietQueue(KeptByName):
         self.final: dict[Group, dict[str, Waiter]] = {}  # group -> its members by name
         self.final_sig: dict[str, Group] = {}
         self.ageing: dict[str, PlainWaiter] = {}  # plain waiters whose group may still change
+        # Final groups that change once more at a known time (a best-effort job's promotion):
+        # (then, count, name, its entry) by time, and the entry each such name is due with.
+        self.pending: list[tuple[float, int, str, PlainWaiter]] = []
+        self.pending_entry: dict[str, PlainWaiter] = {}
         self.others: set[str] = set()  # the queue's other jobs: walked one by one
 
     def add(self, job: Job) -> None:
@@ -168,6 +177,7 @@ class _QuietQueue(KeptByName):
     def drop(self, name: str) -> None:
         self.others.discard(name)
         self.ageing.pop(name, None)
+        self.pending_entry.pop(name, None)
         sig = self.final_sig.pop(name, None)
         if sig is not None:
             members = self.final[sig]
@@ -193,17 +203,34 @@ def _kept_quiet_queue(state: PlanningPass, groups: dict[Group, list[Waiter]]) ->
         q = _QUIET_QUEUE.queue = _QuietQueue(state)
     q.state = state
     q.update(state.jobs)
-    now, ageing_s = state.now, state.config.ageing_s
+    now, ageing_s, promote_s = state.now, state.config.ageing_s, state.config.promote_after_s
     final, final_sig = q.final, q.final_sig
+    pending, due = q.pending, q.pending_entry
+    # Final groups whose one change (a promotion) has come: each moves to its new group.
+    while pending and pending[0][0] <= now:
+        _, _, name, entry = heapq.heappop(pending)
+        if due.get(name) is not entry:
+            continue  # dropped (or queued again with another entry) since
+        del due[name]
+        old = final_sig[name]
+        members = final[old]
+        del members[name]
+        if not members:
+            del final[old]
+        q.ageing[name] = entry  # placed again below
     for name, entry in list(q.ageing.items()):
-        sig = _group_at(entry, now, ageing_s)
-        if (sig[1] == 1 or ageing_s <= 0) and (sig[3] or not entry[2]):
-            del q.ageing[name]  # its standing and long wait can change no more
+        sig = _group_at(entry, now, ageing_s, promote_s)
+        until = _group_final_until(sig, entry, ageing_s, promote_s)
+        if until is not None:
+            del q.ageing[name]  # its standing and long wait can change no more, its class not before ``until``
             final_sig[name] = sig
             if (members := final.get(sig)) is None:
                 final[sig] = {name: entry[4]}
             else:
                 members[name] = entry[4]
+            if until < INFINITY:
+                due[name] = entry
+                heapq.heappush(pending, (until, len(pending), name, entry))
     for sig, members in final.items():
         groups[sig] = list(members.values())
     left_out = state.busy | state.acted
@@ -217,7 +244,7 @@ def _kept_quiet_queue(state: PlanningPass, groups: dict[Group, list[Waiter]]) ->
     for name, entry in q.ageing.items():
         if name in left_out or name in state.res_of_job:
             continue
-        sig = _group_at(entry, now, ageing_s)
+        sig = _group_at(entry, now, ageing_s, promote_s)
         if (members := groups.get(sig)) is None:
             groups[sig] = [entry[4]]
         else:
@@ -234,7 +261,7 @@ def admit_waiting(state: PlanningPass) -> None:
     if groups is not None:
         _PLAIN_WAITERS.trim(len(state.jobs))
     now, config, reserving = state.now, state.config, state.res_of_job
-    ageing_s = config.ageing_s
+    ageing_s, promote_s = config.ageing_s, config.promote_after_s
     busy, acted, nodes = state.busy, state.acted, state.snapshot.nodes
     settled = not lost  # then only waiting and recovering jobs can be the queue's (``in_queue``)
     jobs: Iterable[Job] = state.jobs.values()
@@ -261,12 +288,13 @@ def admit_waiting(state: PlanningPass) -> None:
                 if memo.unfit or job.name in busy or job.name in acted:
                     continue  # not the queue's to decide, or can never fit (a hold says nothing here)
                 if entry[0] is not None:
-                    if now >= memo.final_from:
+                    if memo.final_from <= now < memo.final_until:
                         sig = memo.final_group
                     else:
-                        sig = _group_at(entry, now, ageing_s)
-                        if (sig[1] == 1 or ageing_s <= 0) and (sig[3] or not entry[2]):
-                            memo.final_group, memo.final_from = sig, now  # its standing and long wait can change no more
+                        sig = _group_at(entry, now, ageing_s, promote_s)
+                        until = _group_final_until(sig, entry, ageing_s, promote_s)
+                        if until is not None:  # it can change no more before ``until``
+                            memo.final_group, memo.final_from, memo.final_until = sig, now, until
                     if (members := groups.get(sig)) is None:
                         groups[sig] = [entry[4]]
                     else:
@@ -352,15 +380,35 @@ def finish_bucket(finish_s: float, config: PlannerConfig) -> int | None:
     return max(0, math.ceil(math.log2(max(finish_s, 1.0) / 60.0)))
 
 
-def _group_at(entry: PlainWaiter, now_s: float, ageing_s: float) -> Group:
+def _group_at(entry: PlainWaiter, now_s: float, ageing_s: float, promote_after_s: float) -> Group:
     """A plain waiter's group at ``now_s``: its standing is ``starvation.effective_rank`` (its
-    class is never critical) and it is a long waiter as ``starvation.is_aged`` says."""
+    class is never critical), it is a long waiter as ``starvation.is_aged`` says, and the queue
+    puts it in the class ``starvation.class_rank`` says."""
     need, rank, regular, since, _, tp, pp, band = entry
     waited = now_s - since
     if waited < 0.0:
         waited = 0.0
     standing = max(1, rank - int(waited // ageing_s)) if ageing_s > 0 else rank
-    return (need, standing, rank, regular and waited >= ageing_s, tp, pp, band)
+    queue_class = rank
+    if rank == BEST_EFFORT and promote_after_s > 0 and waited >= promote_after_s:
+        queue_class = REGULAR
+    return (need, standing, rank, regular and waited >= ageing_s, tp, pp, band, queue_class)
+
+
+def _group_final_until(sig: Group, entry: PlainWaiter, ageing_s: float, promote_after_s: float) -> float | None:
+    """Until when a plain waiter's group ``sig`` stays as it is: None while its standing may
+    still rise (it is not regular and ageing is on) or a regular job is not yet a long waiter;
+    else infinity, or for a best-effort job not yet promoted the instant it is (``promoted``:
+    the first ``now`` with ``now - since >= promote_after_s``). Each only moves one way."""
+    if not ((sig[1] == REGULAR or ageing_s <= 0) and (sig[3] or not entry[2])):
+        return None
+    if entry[1] != BEST_EFFORT or promote_after_s <= 0 or sig[7] == REGULAR:
+        return INFINITY
+    since = entry[3]
+    at = since + promote_after_s
+    while at - since < promote_after_s:  # the sum may round below the instant
+        at = math.nextafter(at, INFINITY)
+    return at
 
 
 def _quiet_group(state: PlanningPass, job: Job) -> Group | None:
@@ -376,7 +424,7 @@ def _quiet_group(state: PlanningPass, job: Job) -> Group | None:
     entry = _plain_waiter(job, state.config)
     if entry is None or entry[0] is None or job.name in state.res_of_job:
         return None
-    return _group_at(entry, state.now, state.config.ageing_s)
+    return _group_at(entry, state.now, state.config.ageing_s, state.config.promote_after_s)
 
 
 def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: dict[Group, list[Waiter]]) -> None:
@@ -431,12 +479,12 @@ def _walk_quietly(state: PlanningPass, others: list[tuple[tuple, Job]], groups: 
         return shut
 
     def passed(sig: Group) -> None:
-        state.capacity_blocked_rank = sig[2]
+        state.capacity_blocked_rank = sig[7]
 
     # A member's queue key is ``starvation.queue_key``'s, put together from its group and its
     # (waiting since, name).
-    walk_by_groups(others, groups, lambda sig, m: (TIER_OTHER, sig[1], sig[2], m[0], m[1]), shut_now,
-                   state._admit, passed, heeds=lambda sig: sig[2] < state.capacity_blocked_rank, head_aware=True)
+    walk_by_groups(others, groups, lambda sig, m: (TIER_OTHER, sig[1], sig[7], m[0], m[1]), shut_now,
+                   state._admit, passed, heeds=lambda sig: sig[7] < state.capacity_blocked_rank, head_aware=True)
 
 
 def _pop_current(state: PlanningPass, heap: list[tuple[tuple, int, tuple, Job]]) -> Iterator[tuple[tuple, Job]]:
@@ -476,7 +524,7 @@ def _waits_quietly(state: PlanningPass, key: tuple, job: Job, free: float) -> bo
         aged = job.priority == "regular" and quota.ages(state, job) and is_aged(job, state.now, state.config)
         if state.victim_failed_at.get(quota.failure_key(state, job, rank, False, aged), 1 << 30) > need:
             return False
-    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, class_rank(job, state.now, state.config))
     return True
 
 
@@ -759,7 +807,11 @@ def capacity_sentence(state: PlanningPass, job: Job, preferred: int, free: int, 
         parts.append("no lower-priority job can give enough back now (a job keeps its GPUs for its minimum "
                      "run time after it starts)")
     waited = waited_s(job, state.now)
-    if waited > 0 and rank < PRIORITY_RANK[job.priority]:
+    if promoted(job, state.now, state.config):
+        after = duration_words(state.config.promote_after_s)
+        parts.append(f"it has waited {duration_words(waited)}, more than {after}, so it now queues as regular work "
+                     f"by right, standing as a regular job that came {after} after it began waiting")
+    elif waited > 0 and rank < PRIORITY_RANK[job.priority]:
         parts.append(f"it has waited {duration_words(waited)}, so it now queues as a regular job")
     return "; ".join(parts) + "."
 
@@ -793,7 +845,7 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
                     zoned: bool = False) -> None:
     """The cheap hold for the tail of a long queue: nothing anywhere could start it (``zoned``:
     nothing in the zones it may use, so the sentence says which pools may not lend to it)."""
-    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, class_rank(job, state.now, state.config))
     if not state.explain:
         return
     need = preferred * rep
@@ -808,7 +860,7 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
 
 def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
     """Hold a job that cannot start now, with the reasons in plain words."""
-    state.capacity_blocked_rank = min(state.capacity_blocked_rank, PRIORITY_RANK[job.priority])
+    state.capacity_blocked_rank = min(state.capacity_blocked_rank, class_rank(job, state.now, state.config))
     if not state.explain:
         return
     need = preferred * rep

@@ -47,6 +47,11 @@ class PlannerConfig:
     idle_lend_min_s: float = 300.0
     #: Waiting this long raises a job's queue standing by one class step (rule 8).
     ageing_s: float = 7200.0
+    #: A best-effort job that has waited this long queues as a regular job by right, standing as
+    #: one that came this long after it began waiting, and its run then has ``min_run_s``
+    #: (``starvation.promoted``): ageing alone keeps it behind every regular job, for ever on a
+    #: cluster whose regular queue never empties. 0: never.
+    promote_after_s: float = 172800.0
     #: Within the regular class the queue goes by when a job began waiting plus this many
     #: seconds per second of its remaining run at its preferred size (``starvation.queue_order_s``):
     #: a short job goes ahead of a long one that began waiting up to this fraction of the

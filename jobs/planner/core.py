@@ -45,7 +45,6 @@ from jobs.planner.layout import accum_steps, fit_problems, valid_dps
 from jobs.planner.quota import TeamBook
 from jobs.planner.snapshot import (
     PLACEABLE_HEALTH,
-    PRIORITY_RANK,
     WAITING_PHASES,
     Gpu,
     Job,
@@ -54,6 +53,7 @@ from jobs.planner.snapshot import (
     holding_gpus,
     live_jobs_by_name,
 )
+from jobs.planner.starvation import class_rank
 from jobs.planner.topology import ClusterView
 from jobs.planner.victims import VictimEntry
 from jobs.planner.wording import fmt_t
@@ -303,7 +303,7 @@ class PlanningPass:
                 sizes = valid_dps(job)
                 if not sizes:
                     continue
-                r, n = PRIORITY_RANK[job.priority], sizes[0] * job.tp * job.pp
+                r, n = class_rank(job, self.now, self.config), sizes[0] * job.tp * job.pp
                 if n < mins.get(r, 1 << 30):
                     mins[r] = n
         return any(n <= gpus for r, n in mins.items() if r <= rank)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from jobs.planner.rhythm import predict
 from jobs.planner.snapshot import PRIORITY_RANK, Gpu, Job, Reservation, Team
+from jobs.planner.starvation import min_run_of
 from jobs.planner.wording import plural
 
 if TYPE_CHECKING:
@@ -350,7 +351,7 @@ def reclaim_candidates(state: PlanningPass, job: Job, entries: list) -> Iterator
                 if entry.protected:
                     # Its minimum run ends later: look again then, not at the next unrelated event.
                     if other.run_started_s is not None:
-                        wake = min(wake, other.run_started_s + other.min_run_s)
+                        wake = min(wake, other.run_started_s + min_run_of(other, state.config))
                     continue
                 yield entry
     finally:

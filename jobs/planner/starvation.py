@@ -11,6 +11,13 @@ stopped only to take its GPUs back at once, and nobody waits forever behind a st
 newcomers. Within
 a class and standing the queue goes by wait, a regular job's weighed with its length
 (``queue_order_s``), so short work is not stuck behind multi-day jobs.
+
+Ageing alone lifts a best-effort job to the regular standing but keeps it behind every regular
+job, so on a cluster whose regular queue never empties it still waits for ever. A best-effort
+job that has waited ``promote_after_s`` is *promoted* (``promoted``): it queues as a regular job
+by right (``class_rank``), standing as one that came ``promote_after_s`` after it began waiting
+(``queue_order_s``), and the run it then starts has the regular class's ``min_run_s``
+(``min_run_of``), so the next regular arrival does not stop it at once.
 """
 
 from __future__ import annotations
@@ -50,9 +57,45 @@ def run_s(job: Job, now_s: float) -> float:
     return max(0.0, now_s - job.run_started_s)
 
 
-def protected_by_min_run(job: Job, now_s: float) -> bool:
-    """Whether ``min_run_s`` still protects the job from a non-forced preemption."""
-    return job.min_run_s > 0 and job.run_started_s is not None and run_s(job, now_s) < job.min_run_s
+def promoted(job: Job, now_s: float, config: PlannerConfig) -> bool:
+    """Whether a best-effort job stands as a regular job by right: waiting, it has waited
+    ``promote_after_s``; running, it waited that long before the run it is in (its
+    ``queued_since_s`` stays when it starts)."""
+    if job.priority != "best_effort" or config.promote_after_s <= 0:
+        return False
+    since = waiting_since_s(job)
+    if not job.holdings:
+        return now_s - since >= config.promote_after_s
+    return job.run_started_s is not None and job.run_started_s - since >= config.promote_after_s
+
+
+def class_rank(job: Job, now_s: float, config: PlannerConfig) -> int:
+    """The class the queue puts the job in among jobs of its standing: its own, regular for a
+    promoted best-effort job (``promoted``)."""
+    return PRIORITY_RANK["regular"] if promoted(job, now_s, config) else PRIORITY_RANK[job.priority]
+
+
+def min_run_of(job: Job, config: PlannerConfig) -> float:
+    """The continuous run that protects the job: its own ``min_run_s``, the policy's (the
+    regular class's) for the run of a promoted best-effort job."""
+    if not job.holdings or job.run_started_s is None:
+        return job.min_run_s
+    return run_protection_s(job.priority, job.min_run_s, job.run_started_s - waiting_since_s(job), config)
+
+
+def run_protection_s(priority: str, min_run_s: float, waited_before_run_s: float, config: PlannerConfig) -> float:
+    """``min_run_of`` from plain facts (the simulator's quota invariant reads it too): a
+    best-effort run that followed a wait of ``promote_after_s`` has the policy's ``min_run_s``."""
+    if (priority == "best_effort" and config.promote_after_s > 0 and waited_before_run_s >= config.promote_after_s
+            and min_run_s < config.min_run_s):
+        return config.min_run_s
+    return min_run_s
+
+
+def protected_by_min_run(job: Job, now_s: float, config: PlannerConfig) -> bool:
+    """Whether ``min_run_of`` still protects the job from a non-forced preemption."""
+    min_run = min_run_of(job, config)
+    return min_run > 0 and job.run_started_s is not None and run_s(job, now_s) < min_run
 
 
 def protected_from_long_waiters(job: Job, now_s: float) -> bool:
@@ -72,14 +115,14 @@ def turn_s(job: Job) -> float:
 
 
 def queue_key(job: Job, now_s: float, config: PlannerConfig, tier: int) -> tuple:
-    """Sort key for waiting jobs: tier (entitled, recovering...), aged class, class, wait (with a
-    regular job's length, ``queue_order_s``), name.
+    """Sort key for waiting jobs: tier (entitled, recovering...), aged class, class (a promoted
+    job's regular: ``class_rank``), wait (with a regular job's length, ``queue_order_s``), name.
 
     An aged job moves up among the jobs of the class it aged into but stays behind the jobs
-    that belong to that class by right when both have the same standing.
+    that belong to that class by right when both have the same standing, until it is promoted.
     """
     since = waiting_since_s(job)
-    return (tier, effective_rank(job, now_s, config), PRIORITY_RANK[job.priority],
+    return (tier, effective_rank(job, now_s, config), class_rank(job, now_s, config),
             queue_order_s(job, since, config), job.name)
 
 
@@ -94,7 +137,10 @@ def requeues_behind(victim: Job, standing_s: float, now_s: float, config: Planne
 def queue_order_s(job: Job, since: float, config: PlannerConfig) -> float:
     """Where a waiting job stands among the jobs of its class and standing: a regular job at
     ``since`` (when it began waiting) plus ``queue_length_weight`` x its remaining run at its
-    preferred size (remaining steps x its step time), any other at ``since``.
+    preferred size (remaining steps x its step time), a best-effort job at ``since`` plus
+    ``promote_after_s`` (where it stands among regular work once ``promoted``: as a regular job
+    that came then; the same shift for every best-effort job, so their own order is their wait's),
+    a critical one at ``since``.
 
     So among regular work a short job goes ahead of a long one that began waiting up to that
     fraction of the difference in their runs earlier (a deadline proportional to the job's length,
@@ -104,6 +150,9 @@ def queue_order_s(job: Job, since: float, config: PlannerConfig) -> float:
     stays in order. Best-effort work keeps the order of its wait: measured on the trace weeks, the
     same rule there cost more than it gave (docs/simulator.md, "What changed on 2026-12-05").
     """
+    if job.priority == "best_effort" and config.promote_after_s > 0:
+        # Its deadline among regular work, once promoted: promote_after_s after it began waiting.
+        return since + config.promote_after_s
     if job.priority != "regular" or config.queue_length_weight <= 0:
         return since
     return since + config.queue_length_weight * job.remaining_steps * job.step_s

@@ -121,13 +121,6 @@ def victim_sort_key(job: Job, config: PlannerConfig, now_s: float | None = None)
     return (-PRIORITY_RANK[job.priority], not elastic, loss_gpu_s(job, config, now_s), job.signal, job.name)
 
 
-def eligible_victim(job: Job, now_s: float, forced: bool) -> bool:
-    """Whether ``job`` may be made to give GPUs back now (``min_run_s`` unless forced)."""
-    if not job.holdings:
-        return False
-    return forced or not protected_by_min_run(job, now_s)
-
-
 def choose_victims(
     candidates: Iterable[Job],
     fits: Callable[[list[Gpu]], bool],
@@ -458,7 +451,7 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
                 # A job's minimum run only ends as time goes on: an entry protected by none
                 # stays so (and a pool job holds GPUs, so it is never aged).
                 if entry.protected or entry.turn_protected or now < hit[4]:
-                    protected, turn = protected_by_min_run(j, now), protected_from_long_waiters(j, now)
+                    protected, turn = protected_by_min_run(j, now, config), protected_from_long_waiters(j, now)
                     if (protected, turn) != (entry.protected, entry.turn_protected):
                         entry = replace(entry, protected=protected, turn_protected=turn)
                         _VICTIM_ENTRIES.keep(j, zone_of, low_disk, config, now, entry)
@@ -468,7 +461,7 @@ def victim_pool(state: PlanningPass) -> list[VictimEntry]:
                     zones=frozenset(map(zone_of.get, facts[j.name][3] if not low_disk else
                                         [n for n in facts[j.name][3] if n not in low_disk])),
                     rank=PRIORITY_RANK[j.priority],
-                    protected=protected_by_min_run(j, now),
+                    protected=protected_by_min_run(j, now, config),
                     excess=j.current_dp > j.dp,
                     aged=is_aged(j, now, config),
                     turn_protected=protected_from_long_waiters(j, now),

@@ -42,6 +42,9 @@ POLICIES = ("omni", "static", "kill_preempt", "slurm", "kueue", "elastic")
 #: FCFS, ``slurm`` orders by fair share but guarantees no quota (``GrpTRES`` would only cap), and
 #: ``elastic`` knows no teams.
 QUOTA_POLICIES = frozenset({"omni", "kill_preempt", "kueue"})
+#: Policies that plan with Omni's rule 8 as configured, promotion included (``starvation.promoted``):
+#: the quota invariant gives their promoted best-effort runs the regular ``min_run_s``.
+PROMOTING_POLICIES = frozenset({"omni", "kill_preempt"})
 
 PlanFunction = Callable[[Snapshot, float, PlannerConfig], Plan]
 
@@ -188,10 +191,10 @@ def _queue_sizes() -> _QueueSizes:
 
 @functools.lru_cache(maxsize=16)
 def _without_ageing(config: PlannerConfig) -> PlannerConfig:
-    """``config`` with ageing off and the queue first come, first served, one object per config:
+    """``config`` with ageing and promotion off and the queue first come, first served, one object per config:
     what a pass works out of a job once per config (``admission._plain_waiter``) is kept while the
     config is the same object."""
-    return config.with_overrides({"ageing_s": 0.0, "queue_length_weight": 0.0})
+    return config.with_overrides({"ageing_s": 0.0, "promote_after_s": 0.0, "queue_length_weight": 0.0})
 
 
 def plan_static(snapshot: Snapshot, now_s: float, config: PlannerConfig) -> Plan:

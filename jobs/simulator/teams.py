@@ -9,7 +9,8 @@ A team below its quota is *kept from* GPUs when one of its waiting jobs (regular
 best-effort; not recovering, not between reservation windows, not owed a lent idle phase)
 asks for no more than the team's headroom under its quota at its smallest size, does not fit
 in the idle GPUs, and would fit in the idle GPUs plus the GPUs the planner may reclaim for it:
-those held by jobs of its class or lower, not protected by ``min_run_s``, of teams outside its
+those held by jobs of its class or lower, not protected by ``min_run_s`` (a promoted best-effort
+run's, ``starvation.run_protection_s``), of teams outside its
 own chain (or of no team), outside every reservation's pool and every lent idle phase (reclaimed,
 a pool's GPUs go back to it, a lent phase's to its job), never more from a team than it holds
 beyond its quota. Kept for longer than those jobs' save time plus two steps in flight plus
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 from jobs.planner.layout import batch_divides
 from jobs.planner.quota import accrue
 from jobs.planner.snapshot import PRIORITY_RANK, Team
+from jobs.planner.starvation import run_protection_s
+from jobs.simulator.policies import PROMOTING_POLICIES
 from jobs.simulator.scenario import TeamSpec
 
 if TYPE_CHECKING:
@@ -186,9 +189,14 @@ class TeamLedger:
             held = len(v.gpus) + len(v.incoming)
             if not held or v.spec.priority == "critical" or cap(v) <= 0:
                 continue
-            if v.run_started is not None and v.spec.min_run_s > 0 and now - v.run_started < v.spec.min_run_s:
-                valid_until = min(valid_until, v.run_started + v.spec.min_run_s)
-                continue
+            if v.run_started is not None:
+                # The planner's protection: a promoted best-effort run has the regular min run.
+                min_run = v.spec.min_run_s
+                if sim.policy in PROMOTING_POLICIES:
+                    min_run = run_protection_s(v.spec.priority, min_run, v.run_started - v.queued_since, sim.config)
+                if min_run > 0 and now - v.run_started < min_run:
+                    valid_until = min(valid_until, v.run_started + min_run)
+                    continue
             nodes: dict[str, int] = {}
             for g in v.gpus + v.incoming:
                 if sim.pool_zone(g.node) is None:

@@ -76,3 +76,21 @@ def test_sending_a_command_counts_an_attempt_and_stamps_times():
     command.transition_to("acked")
     command.transition_to("done")
     assert command.acked_at is not None and command.finished_at is not None
+
+
+def test_a_stop_or_fault_stamps_when_the_wait_began_and_the_next_run_keeps_it():
+    # The planner reads what a run waited for (a promoted best-effort job's minimum run): the
+    # wait begins at the stop (or the fault), and the run after it keeps that time.
+    job = Job(name="j", state=JobState.PENDING)
+    assert job.queued_at is None  # since its submission
+    job.transition_to(JobState.RUNNING)
+    assert job.queued_at is None
+    job.transition_to(JobState.CHECKPOINTING)
+    assert job.queued_at is None
+    job.transition_to(JobState.PREEMPTED)
+    stopped = job.queued_at
+    assert stopped is not None and stopped == job.state_changed_at
+    job.transition_to(JobState.RUNNING)
+    assert job.queued_at == stopped and job.started_at >= stopped
+    job.transition_to(JobState.RECOVERING)
+    assert job.queued_at > stopped

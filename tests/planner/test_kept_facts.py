@@ -127,13 +127,15 @@ def test_a_kept_victim_entry_follows_the_zones_and_the_minimum_run() -> None:
 
 
 @pytest.mark.parametrize("policy", ("omni", "kill_preempt"))
-@pytest.mark.parametrize("seed", (3, 5))
+@pytest.mark.parametrize(("seed", "promote_after_s"), ((3, None), (5, None), (3, 20_000.0), (5, 20_000.0)))
 def test_the_queue_kept_between_passes_decides_as_visiting_every_job(
-        policy: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        policy: str, seed: int, promote_after_s: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     # A quiet pass reads its plain waiters from the queue kept between passes
     # (``admission._kept_quiet_queue``); replayed with every pass visiting every job instead, every
     # figure of the result must be the same. The reserved job arrives unannounced, idle phases
-    # lend and a node fails and comes back (the kept queue is built again for the new nodes).
+    # lend and a node fails and comes back (the kept queue is built again for the new nodes);
+    # with promote_after_s within the day, best-effort waiters are promoted as it goes (their
+    # final groups move at a known time).
     from jobs.planner import admission
     from jobs.planner.core import PlanningPass
     from jobs.simulator import parse_scenario, simulate
@@ -143,7 +145,9 @@ def test_the_queue_kept_between_passes_decides_as_visiting_every_job(
     data["jobs"][-1]["submit_s"] = 20_000
     for job in data["jobs"][::9]:
         job["idle_phases"] = [{"every_steps": 100, "duration_s": 1200}]
-    calls = {"kept": 0, "grouped": 0, "ageing": 0}
+    if promote_after_s is not None:
+        data["policy"] = {"promote_after_s": promote_after_s}
+    calls = {"kept": 0, "grouped": 0, "ageing": 0, "promoted": 0}
     kept_queue = admission._kept_quiet_queue
 
     def checked(state, groups):
@@ -163,9 +167,10 @@ def test_the_queue_kept_between_passes_decides_as_visiting_every_job(
             elif entry[0] is None:
                 walked.add(job.name)
             else:
-                sig = admission._group_at(entry, state.now, state.config.ageing_s)
+                sig = admission._group_at(entry, state.now, state.config.ageing_s, state.config.promote_after_s)
                 fresh.setdefault(sig, []).append(entry[4])
                 calls["ageing"] += sig[1] > 1
+                calls["promoted"] += sig[7] < sig[2]
         assert {g: sorted(m) for g, m in groups.items()} == {g: sorted(m) for g, m in fresh.items()}
         assert {j.name for j in others} - left_out == walked - left_out
         calls["kept"] += 1
@@ -179,6 +184,7 @@ def test_the_queue_kept_between_passes_decides_as_visiting_every_job(
     for result in (kept, walked):
         result.pop("wall_s")
     assert calls["kept"] > 100 and calls["grouped"] > 1000 and calls["ageing"] > 100, calls
+    assert (calls["promoted"] > 100) == (promote_after_s is not None), calls
     assert kept == walked
 
 

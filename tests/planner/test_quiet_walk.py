@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -56,7 +57,7 @@ class ScriptedPass:
 
     def _admit(self, job: str) -> None:
         if self._held(job):
-            self.capacity_blocked_rank = min(self.capacity_blocked_rank, self.members[job][0][2])
+            self.capacity_blocked_rank = min(self.capacity_blocked_rank, self.members[job][0][7])
             return
         self.admitted.append(job)
         rng = random.Random(f"{self.seed}:{job}")
@@ -91,7 +92,12 @@ def _queue(seed: int) -> tuple[list[tuple[tuple, str]], dict[tuple, list[tuple]]
     for i in range(rng.randrange(0, 60)):
         rank = rng.choice((1, 2))
         short = rng.choice((None, 3, 6))  # finish_bucket: a band's terms move along the walk
-        sig = (rng.choice((1, 2, 4, 8, 16)), rng.choice((1, rank)), rank, rank == 1 and rng.random() < 0.3, 1, 1, short)
+        standing = rng.choice((1, rank))
+        # A best-effort job that has aged may be promoted: the queue puts it in the regular class
+        queue_class = 1 if standing == 1 else rank
+        if rank == 2 and standing == 1:
+            queue_class = rng.choice((1, 2))
+        sig = (rng.choice((1, 2, 4, 8, 16)), standing, rank, rank == 1 and rng.random() < 0.3, 1, 1, short, queue_class)
         groups.setdefault(sig, []).append((float(rng.randrange(50)), f"p{i}", rng.choice((200.0, 500.0, 900.0)),
                                            rng.random() < 0.3, rng.choice((300.0, 3000.0)) if short is not None else math.inf,
                                            f"p{i}"))
@@ -104,11 +110,11 @@ def _scripted(seed: int, groups: dict) -> ScriptedPass:
 
 def _reference(state: ScriptedPass, others: list, groups: dict) -> None:
     walk = sorted([(key, job, None) for key, job in others]
-                  + [((TIER_OTHER, sig[1], sig[2], since, name), job, sig)
+                  + [((TIER_OTHER, sig[1], sig[7], since, name), job, sig)
                      for sig, members in groups.items() for since, name, _, _, _, job in members])
     for _, job, sig in walk:
         if sig is not None and (_shut(state, sig) or state._held(job)):
-            state.capacity_blocked_rank = min(state.capacity_blocked_rank, sig[2])
+            state.capacity_blocked_rank = min(state.capacity_blocked_rank, sig[7])
             continue
         state._admit(job)
 
@@ -134,7 +140,7 @@ def test_the_script_reopens_shut_groups_behind_the_walk() -> None:
         state = _scripted(seed, groups)
         shut_seen: set[tuple] = set()
         walk = sorted([(key, job, None) for key, job in others]
-                      + [((TIER_OTHER, s[1], s[2], since, name), job, s)
+                      + [((TIER_OTHER, s[1], s[7], since, name), job, s)
                          for s, m in groups.items() for since, name, _, _, _, job in m])
         for _, job, sig in walk:
             if sig is not None and _shut(state, sig):
@@ -182,38 +188,59 @@ def test_a_plain_waiter_is_grouped_by_its_smallest_size_its_standing_its_class_a
     ]
     state = PlanningPass(snapshot(cluster(), jobs), 5_000.0, config)
     groups = {j.name: admission._quiet_group(state, state.jobs[j.name]) for j in jobs}
-    assert groups == {"fresh": (4, 1, 1, False, 2, 1, None), "long": (4, 1, 1, True, 2, 1, None),
-                      "be-old": (1, 1, 2, False, 1, 1, None), "be-new": (1, 2, 2, False, 1, 1, None)}
+    assert groups == {"fresh": (4, 1, 1, False, 2, 1, None, 1), "long": (4, 1, 1, True, 2, 1, None, 1),
+                      "be-old": (1, 1, 2, False, 1, 1, None, 2), "be-new": (1, 2, 2, False, 1, 1, None, 2)}
+    # Waited promote_after_s, a best-effort job queues in the regular class (its own group)
+    promoted = PlanningPass(snapshot(cluster(), jobs), 5_000.0, replace(config, promote_after_s=4_000.0))
+    assert admission._quiet_group(promoted, promoted.jobs["be-old"]) == (1, 1, 2, False, 1, 1, None, 1)
+    assert admission._quiet_group(promoted, promoted.jobs["be-new"]) == (1, 2, 2, False, 1, 1, None, 2)
     # A job that could finish inside a window shorter than min_run_s is in a group by its band
     short = job("short", tp=2, dp=4, dp_min=2, dp_max=4, submit_s=4_500.0, total_steps=100)
     assert admission._quiet_group(PlanningPass(snapshot(cluster(), [short]), 5_000.0, config),
-                                  short) == (4, 1, 1, False, 2, 1, 3)  # finishes in 376.5 s: (240, 480]
+                                  short) == (4, 1, 1, False, 2, 1, 3, 1)  # finishes in 376.5 s: (240, 480]
     assert admission._quiet_groups(state) == {}
     assert admission._quiet_groups(PlanningPass(snapshot(cluster(), jobs), 5_000.0, PlannerConfig())) is None
 
 
-def test_a_plain_waiters_group_at_any_instant_is_its_standing_and_long_wait_as_starvation_says() -> None:
+def test_a_plain_waiters_group_at_any_instant_is_its_standing_long_wait_and_class_as_starvation_says() -> None:
     # ``_group_at`` works out a group from what ``_plain_waiter`` kept of the job: at every instant
-    # (either side of each ageing step, before it was queued, with ageing off) it must give
-    # ``starvation.effective_rank`` and ``is_aged``.
+    # (either side of each ageing step and of its promotion, before it was queued, with ageing or
+    # promotion off) it must give ``starvation.effective_rank``, ``is_aged`` and ``class_rank``;
+    # and once ``_group_final_until`` says until when a group stays, it stays that group until
+    # then, and a best-effort job is promoted then (not a moment before or after).
     from jobs.planner.config import PlannerConfig
-    from jobs.planner.starvation import effective_rank, is_aged
+    from jobs.planner.starvation import class_rank, effective_rank, is_aged
     from tests.planner.factory import job
 
     rng = random.Random(7)
-    checked = 0
-    for ageing_s in (0.0, 600.0, 7200.0, 1234.5):
-        config = PlannerConfig(ageing_s=ageing_s)
+    checked = promotions = 0
+    for ageing_s, promote_s, submit_s in ((0.0, 0.0, 1000.0), (600.0, 3000.0, 1000.0), (7200.0, 0.0, 1000.0),
+                                          (1234.5, 20_000.0, 1000.0), (600.0, 172_800.0, 0.1 + 0.2)):
+        config = PlannerConfig(ageing_s=ageing_s, promote_after_s=promote_s)
         for priority in ("regular", "best_effort"):
-            j = job("w", priority=priority, tp=2, dp=4, dp_min=2, dp_max=4, submit_s=1000.0)
+            j = job("w", priority=priority, tp=2, dp=4, dp_min=2, dp_max=4, submit_s=submit_s)
             entry = admission._plain_waiter(j, config)
             assert entry is not None and entry[0] == 4
-            edges = [1000.0 + k * ageing_s + d for k in range(4) for d in (-1e-7, 0.0, 1e-7)]
-            for now in edges + [rng.uniform(0.0, 40_000.0) for _ in range(200)]:
+            edges = [submit_s + k * ageing_s + d for k in range(4) for d in (-1e-7, 0.0, 1e-7)]
+            edges += [submit_s + promote_s + d for d in (-1e-7, 0.0, 1e-7)]
+            final: tuple | None = None  # (group, until)
+            for now in sorted(edges + [rng.uniform(0.0, 200_000.0) for _ in range(200)]):
                 want = (4, effective_rank(j, now, config), PRIORITY_RANK[priority],
-                        priority == "regular" and is_aged(j, now, config), 2, 1, None)
-                assert admission._group_at(entry, now, ageing_s) == want, (ageing_s, priority, now)
+                        priority == "regular" and is_aged(j, now, config), 2, 1, None, class_rank(j, now, config))
+                got = admission._group_at(entry, now, ageing_s, promote_s)
+                assert got == want, (ageing_s, priority, now)
+                if final is not None and now < final[1]:
+                    assert got == final[0], (ageing_s, promote_s, priority, now)
+                elif final is not None:
+                    assert got[7] == 1 and final[0][7] == 2, (ageing_s, promote_s, now)  # promoted then
+                until = admission._group_final_until(got, entry, ageing_s, promote_s)
+                if until is not None and (final is None or now >= final[1]):
+                    promotions += final is not None
+                    final = (got, until)
+                    if until < math.inf:
+                        assert class_rank(j, until, config) == 1 and class_rank(j, math.nextafter(until, 0.0), config) == 2
                 checked += 1
-    assert checked == 8 * 212
+            assert final is not None, (ageing_s, promote_s, priority)
+    assert checked == 10 * 215 and promotions == 3
     held = job("h", priority="critical", tp=2, dp=4, dp_min=2, dp_max=4)
     assert admission._plain_waiter(held, PlannerConfig()) is None

@@ -6,11 +6,16 @@ import math
 
 from jobs.planner import PlannerConfig, plan
 from jobs.planner.starvation import (
+    class_rank,
     effective_rank,
+    min_run_of,
+    promoted,
+    protected_by_min_run,
     protected_from_long_waiters,
     queue_key,
     queue_order_s,
     requeues_behind,
+    run_protection_s,
     turn_s,
 )
 from tests.planner.factory import cluster, gpus_on, job, snapshot
@@ -118,7 +123,8 @@ def test_a_long_regular_job_that_has_waited_longer_than_its_share_of_the_differe
 def test_best_effort_work_keeps_the_order_of_its_wait() -> None:
     long = job("long", "best_effort", submit_s=0.0, total_steps=100_000, step_s=1.0)
     short = job("short", "best_effort", submit_s=1000.0, total_steps=1000, step_s=1.0)
-    assert queue_order_s(short, 1000.0, PlannerConfig()) == 1000.0
+    # A best-effort job stands promote_after_s after its wait began, every one alike
+    assert queue_order_s(short, 1000.0, PlannerConfig()) - queue_order_s(long, 0.0, PlannerConfig()) == 1000.0
     assert _first_started([long, short], 1100.0, PlannerConfig()) == ["long"]
 
 
@@ -146,3 +152,82 @@ def test_a_long_waiter_does_not_stop_a_job_that_would_wait_ahead_of_it() -> None
         assert [(a.job, a.reason.rule) for a in taken] == ([("runner", "starvation")] if stopped else [])
         if not stopped:
             assert result.by_kind("hold")[0].job == "waiter"
+
+
+def test_a_best_effort_job_that_has_waited_promote_after_s_queues_as_a_regular_job_that_came_then() -> None:
+    # Aged, it stands as a regular job but behind every regular job; promoted, it stands among
+    # them as a regular job that came promote_after_s after it began waiting: behind one that
+    # stands earlier (came at 45,000 s, 10 s of run: 45,002.5), ahead of one that stands later.
+    config = PlannerConfig(ageing_s=3600.0, promote_after_s=50_000.0)
+    be = job("be", "best_effort", submit_s=0.0, total_steps=10)
+    later = job("later", submit_s=60_000.0, total_steps=10)
+    earlier = job("earlier", submit_s=45_000.0, total_steps=10)
+
+    def order(now: float) -> list[str]:
+        return [j.name for j in sorted((be, later, earlier), key=lambda j: queue_key(j, now, config, 3))]
+
+    assert queue_order_s(be, 0.0, config) == 50_000.0
+    assert not promoted(be, 49_999.0, config) and class_rank(be, 49_999.0, config) == 2
+    assert order(49_999.0) == ["earlier", "later", "be"]
+    assert promoted(be, 50_000.0, config) and class_rank(be, 50_000.0, config) == 1
+    assert order(50_000.0) == ["earlier", "be", "later"]
+    # Off, or a regular job: nothing to promote, and best-effort work stands at its wait
+    off = PlannerConfig(promote_after_s=0.0)
+    assert not promoted(be, 10**9, off) and queue_order_s(be, 0.0, off) == 0.0
+    assert not promoted(later, 10**9, config)
+
+
+def test_a_promoted_best_effort_job_starts_before_a_regular_job_that_stands_after_it() -> None:
+    config = PlannerConfig(promote_after_s=50_000.0)
+    holder = job("holder", gpus=gpus_on("r0s0n0"), run_started_s=0.0, min_run_s=10**9)
+    be = job("be", "best_effort", submit_s=0.0, queued_since_s=0.0)
+    # 10,000 s of run: it stands at 48,000 + 2,500 s, after the promoted job's 50,000 s
+    reg = job("reg", submit_s=48_000.0, queued_since_s=48_000.0)
+    snap = snapshot(NODES, [holder, be, reg])
+    (place,) = plan(snap, 49_000.0, config).by_kind("place")
+    assert place.job == "reg"  # not yet promoted: the regular class first
+    (place,) = plan(snap, 50_000.0, config).by_kind("place")
+    assert place.job == "be"
+    # Held, it says why it stands where it does
+    full = snapshot(NODES, [job("holder", dp=2, gpus=ALL, run_started_s=0.0, min_run_s=10**9), be])
+    (hold,) = plan(full, 60_000.0, config).by_kind("hold")
+    assert hold.job == "be"
+    assert ("more than 13 h 53 min, so it now queues as regular work by right, standing as a regular job "
+            "that came 13 h 53 min after it began waiting") in hold.reason.text
+
+
+def test_a_promoted_best_effort_jobs_run_has_the_regular_min_run() -> None:
+    # Started after a wait of promote_after_s, it is not stopped for the next regular arrival until
+    # it has run min_run_s; a best-effort job started after a short wait is stopped at once.
+    config = PlannerConfig(promote_after_s=50_000.0, min_run_s=7200.0)
+    reg = job("reg", tp=8, dp=2, submit_s=60_000.0, queued_since_s=60_000.0)
+
+    def runner(queued_since: float) -> object:
+        return job("be", "best_effort", gpus=ALL, dp=2, submit_s=0.0, queued_since_s=queued_since,
+                   run_started_s=55_000.0)
+
+    promoted_run = runner(0.0)
+    assert min_run_of(promoted_run, config) == 7200.0
+    assert protected_by_min_run(promoted_run, 62_000.0, config)
+    assert not [a for a in plan(snapshot(NODES, [promoted_run, reg]), 62_000.0, config).actions
+                if a.kind in ("shrink", "preempt")]
+    (stop,) = plan(snapshot(NODES, [promoted_run, reg]), 62_300.0, config).by_kind("preempt")
+    assert stop.job == "be"
+    plain_run = runner(50_000.0)  # waited 5,000 s before its run
+    assert min_run_of(plain_run, config) == 0.0 and not protected_by_min_run(plain_run, 62_000.0, config)
+    (stop,) = plan(snapshot(NODES, [plain_run, reg]), 62_000.0, config).by_kind("preempt")
+    assert stop.job == "be"
+
+
+def test_the_protection_of_a_run_read_from_plain_facts_matches_the_planners() -> None:
+    # The simulator's quota invariant reads ``run_protection_s``: it must protect exactly the runs
+    # ``min_run_of`` protects, so a promoted run the planner will not stop is no quota breach.
+    config = PlannerConfig(promote_after_s=172_800.0, min_run_s=7200.0)
+    assert run_protection_s("best_effort", 0.0, 172_800.0, config) == 7200.0
+    assert run_protection_s("best_effort", 0.0, 172_799.0, config) == 0.0
+    assert run_protection_s("regular", 3600.0, 10**6, config) == 3600.0
+    assert run_protection_s("best_effort", 0.0, 10**6, PlannerConfig(promote_after_s=0.0)) == 0.0
+    for queued_since in (0.0, 1.0, 100_000.0):
+        running = job("be", "best_effort", gpus=ALL, dp=2, submit_s=0.0, queued_since_s=queued_since,
+                      run_started_s=172_800.0)
+        assert min_run_of(running, config) == run_protection_s("best_effort", 0.0, 172_800.0 - queued_since, config)

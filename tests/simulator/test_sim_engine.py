@@ -195,3 +195,39 @@ def test_no_planning_pass_is_left_in_a_reference_cycle_and_the_collector_comes_b
     assert result["planner_calls"] > 20
     assert not kinds, f"{sorted(kinds)} left in reference cycles after a replay under {policy}"
     assert gc.get_threshold() == thresholds
+
+
+def _stream(promote_after_s: float | None) -> dict:
+    """One 8-GPU node; a regular job of about 3,100 s arrives every 2,400 s for four days, so the
+    regular queue never empties before the horizon (five days); a short best-effort job comes at
+    t=100."""
+    regular = [{"name": f"reg-{i}", "priority": "regular", "submit_s": 2400 * i, "tp": 8, "dp": 1,
+                "global_batch": 8, "micro_batch": 1, "total_steps": 3000, "step_s": 1.0} for i in range(145)]
+    best_effort = {"name": "be", "priority": "best_effort", "submit_s": 100, "tp": 8, "dp": 1, "global_batch": 8,
+                   "micro_batch": 1, "total_steps": 100, "step_s": 1.0}
+    return {
+        "name": "stream", "horizon_s": 432_000,
+        "cluster": {"racks": 1, "switches_per_rack": 1, "nodes_per_switch": 1, "gpus_per_node": 8},
+        "jobs": [*regular, best_effort],
+        **({"policy": {"promote_after_s": promote_after_s}} if promote_after_s is not None else {}),
+    }
+
+
+def test_a_best_effort_job_behind_a_stream_of_regular_work_runs_once_promoted() -> None:
+    # Aged, it would stand behind every regular job of the stream to the horizon; waited
+    # promote_after_s (48 h by default), it stands as a regular job that came at 100 + 48 h: it
+    # starts after the regular jobs that stand before it (came by then, less a quarter of their
+    # 3,000 s run) and before every one that stands after it.
+    promoted = simulate(parse_scenario(_stream(None)), "omni")
+    assert promoted["invariant_violations"] == []
+    jobs = {j["name"]: j for j in promoted["jobs"]}
+    be = jobs.pop("be")
+    assert be["start_s"] is not None and be["end_s"] is not None and be["preemptions"] == 0
+    stands = 100 + 172_800
+    before = [j for j in jobs.values() if j["submit_s"] + 750 < stands]
+    after = [j for j in jobs.values() if j["submit_s"] + 750 > stands]
+    assert before and after
+    assert all(j["start_s"] is not None and j["start_s"] <= be["start_s"] for j in before)
+    assert all(j["start_s"] is None or j["start_s"] >= be["end_s"] for j in after)
+    never = simulate(parse_scenario(_stream(0.0)), "omni")
+    assert next(j for j in never["jobs"] if j["name"] == "be")["start_s"] is None
