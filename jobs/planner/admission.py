@@ -852,10 +852,17 @@ def hold_queue_full(state: PlanningPass, job: Job, preferred: int, rep: int, fre
     text = capacity_sentence(state, job, preferred, free_anywhere, rank, refused_loan_notes(state, job) if zoned else ())
     state.actions.append(Action(
         kind="hold", job=job.name,
-        reason=Reason("hold", text, {"cause": "capacity", "gpus_needed": need, "gpus_min": job.dp_min * rep,
+        reason=Reason("hold", text, {"cause": capacity_cause(state, job), "gpus_needed": need, "gpus_min": job.dp_min * rep,
                                      "gpus_free": free_anywhere, "effective_rank": rank}),
         global_batch=job.global_batch,
     ))
+
+
+def capacity_cause(state: PlanningPass, job: Job) -> str:
+    """A capacity hold's cause: ``promoted`` for a promoted best-effort job (``starvation.promoted``),
+    so the live planner audits the hold the moment it is promoted (a hold is audited when its
+    cause changes), else ``capacity``."""
+    return "promoted" if promoted(job, state.now, state.config) else "capacity"
 
 
 def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, free_total: int, rank: int) -> None:
@@ -867,7 +874,7 @@ def hold_for_capacity(state: PlanningPass, job: Job, preferred: int, rep: int, f
     min_need = job.dp_min * rep
     text = capacity_sentence(state, job, preferred, free_total, rank, refused_loan_notes(state, job))
     low_disk = low_disk_notes(state, job)[1]
-    state._hold(job, "capacity", text, gpus_needed=need, gpus_min=min_need,
+    state._hold(job, capacity_cause(state, job), text, gpus_needed=need, gpus_min=min_need,
                 gpus_free=free_total, waited_s=round(waited_s(job, state.now), 1),
                 effective_rank=rank, **({"low_disk_nodes": low_disk} if low_disk else {}))
 

@@ -191,7 +191,9 @@ def test_a_promoted_best_effort_job_starts_before_a_regular_job_that_stands_afte
     # Held, it says why it stands where it does
     full = snapshot(NODES, [job("holder", dp=2, gpus=ALL, run_started_s=0.0, min_run_s=10**9), be])
     (hold,) = plan(full, 60_000.0, config).by_kind("hold")
-    assert hold.job == "be"
+    assert hold.job == "be" and hold.reason.inputs["cause"] == "promoted"  # audited when it begins
+    (before,) = plan(full, 49_000.0, config).by_kind("hold")
+    assert before.reason.inputs["cause"] == "capacity"
     assert ("more than 13 h 53 min, so it now queues as regular work by right, standing as a regular job "
             "that came 13 h 53 min after it began waiting") in hold.reason.text
 
