@@ -57,16 +57,16 @@ def run_s(job: Job, now_s: float) -> float:
     return max(0.0, now_s - job.run_started_s)
 
 
+def promotes(priority: str, waited_s: float, config: PlannerConfig) -> bool:
+    """Whether a wait of ``waited_s`` promotes a job of ``priority``: a best-effort one, once it is
+    ``promote_after_s`` long (0: never)."""
+    return priority == "best_effort" and 0 < config.promote_after_s <= waited_s
+
+
 def promoted(job: Job, now_s: float, config: PlannerConfig) -> bool:
-    """Whether a best-effort job stands as a regular job by right: waiting, it has waited
-    ``promote_after_s``; running, it waited that long before the run it is in (its
-    ``queued_since_s`` stays when it starts)."""
-    if job.priority != "best_effort" or config.promote_after_s <= 0:
-        return False
-    since = waiting_since_s(job)
-    if not job.holdings:
-        return now_s - since >= config.promote_after_s
-    return job.run_started_s is not None and job.run_started_s - since >= config.promote_after_s
+    """Whether a waiting best-effort job stands as a regular job by right: its wait has lasted
+    ``promote_after_s`` (``promotes``). The run it then starts is protected (``min_run_of``)."""
+    return not job.holdings and promotes(job.priority, now_s - waiting_since_s(job), config)
 
 
 def class_rank(job: Job, now_s: float, config: PlannerConfig) -> int:
@@ -86,8 +86,7 @@ def min_run_of(job: Job, config: PlannerConfig) -> float:
 def run_protection_s(priority: str, min_run_s: float, waited_before_run_s: float, config: PlannerConfig) -> float:
     """``min_run_of`` from plain facts (the simulator's quota invariant reads it too): a
     best-effort run that followed a wait of ``promote_after_s`` has the policy's ``min_run_s``."""
-    if (priority == "best_effort" and config.promote_after_s > 0 and waited_before_run_s >= config.promote_after_s
-            and min_run_s < config.min_run_s):
+    if min_run_s < config.min_run_s and promotes(priority, waited_before_run_s, config):
         return config.min_run_s
     return min_run_s
 

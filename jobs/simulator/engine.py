@@ -58,7 +58,7 @@ from jobs.planner.snapshot import (
 )
 from jobs.simulator import results
 from jobs.simulator.apply import apply_action
-from jobs.simulator.policies import POLICIES, QUOTA_POLICIES, planner_for
+from jobs.simulator.policies import OMNI_PLANNER_POLICIES, POLICIES, QUOTA_POLICIES, planner_for
 from jobs.simulator.scenario import JobSpec, Scenario
 from jobs.simulator.state import EPS, Op, SimJob
 from jobs.simulator.teams import TeamLedger
@@ -791,7 +791,7 @@ class Simulation:
         snap = self.snapshot()
         self.planner_calls += 1
         # The production planner is looked up at call time (tests substitute it).
-        decide = omni_plan if self.policy in ("omni", "kill_preempt") else self.decide
+        decide = omni_plan if self.policy in OMNI_PLANNER_POLICIES else self.decide
         result: Plan = decide(snap, self.now, self.config)
         for action in result.actions:
             apply_action(self, action)

@@ -42,9 +42,10 @@ POLICIES = ("omni", "static", "kill_preempt", "slurm", "kueue", "elastic")
 #: FCFS, ``slurm`` orders by fair share but guarantees no quota (``GrpTRES`` would only cap), and
 #: ``elastic`` knows no teams.
 QUOTA_POLICIES = frozenset({"omni", "kill_preempt", "kueue"})
-#: Policies that plan with Omni's rule 8 as configured, promotion included (``starvation.promoted``):
-#: the quota invariant gives their promoted best-effort runs the regular ``min_run_s``.
-PROMOTING_POLICIES = frozenset({"omni", "kill_preempt"})
+#: Policies that Omni's own planner decides (``omni_plan``), with every rule as configured, rule 8's
+#: promotion included: the quota invariant gives their promoted best-effort runs the regular
+#: ``min_run_s``.
+OMNI_PLANNER_POLICIES = frozenset({"omni", "kill_preempt"})
 
 PlanFunction = Callable[[Snapshot, float, PlannerConfig], Plan]
 
@@ -212,7 +213,7 @@ def planner_for(policy: str, scenario: Scenario) -> PlanFunction:
     """The plan function that decides for ``policy`` on ``scenario``."""
     from jobs.simulator import peers
 
-    if policy in ("omni", "kill_preempt"):
+    if policy in OMNI_PLANNER_POLICIES:
         return omni_plan
     if policy == "static":
         return _plan_static_without_teams

@@ -28,7 +28,7 @@ from jobs.planner.layout import batch_divides
 from jobs.planner.quota import accrue
 from jobs.planner.snapshot import PRIORITY_RANK, Team
 from jobs.planner.starvation import run_protection_s
-from jobs.simulator.policies import PROMOTING_POLICIES
+from jobs.simulator.policies import OMNI_PLANNER_POLICIES
 from jobs.simulator.scenario import TeamSpec
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class TeamLedger:
             if v.run_started is not None:
                 # The planner's protection: a promoted best-effort run has the regular min run.
                 min_run = v.spec.min_run_s
-                if sim.policy in PROMOTING_POLICIES:
+                if sim.policy in OMNI_PLANNER_POLICIES:
                     min_run = run_protection_s(v.spec.priority, min_run, v.run_started - v.queued_since, sim.config)
                 if min_run > 0 and now - v.run_started < min_run:
                     valid_until = min(valid_until, v.run_started + min_run)
